@@ -1,0 +1,1 @@
+"""Tuned kernel configurations (JSON), installed as ``ep_dispatcher.configs``; see ``ep_dispatcher.config``."""

@@ -1,0 +1,585 @@
+"""``Buffer``: the one public entry point for expert-parallel communication.
+
+Names, arguments and return values follow DeepEP's ``deep_ep.Buffer`` so existing code switches by changing
+the import. ``Buffer`` validates every argument (``TypeError``/``ValueError`` naming the argument, the value it
+got and what it expects), runs the call on the communication stream, and hands it to a backend:
+``"cuda"`` (the ``ep_dispatcher._C`` engine) or ``"reference"`` (pure PyTorch + torch.distributed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import config as _config
+from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
+from .handles import DispatchHandle, LowLatencyHandle
+from .overlap import EventOverlap
+from .validation import check_int, check_tensor, check_topk_idx_range, split_fp8
+
+DEFAULT_TIMEOUT_S = 100.0  # a wait that takes this long is a bug (deadlock, dead peer), not a slow network
+_BACKENDS = ("auto", "cuda", "reference")
+_buffer_ids = itertools.count(1)
+
+FloatPayload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _extension_error() -> Optional[str]:
+    """``None`` if the CUDA engine can run here, else why not."""
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as e:
+        return f"the extension ep_dispatcher._C is not built ({e}); reinstall with nvcc and a CUDA build of torch"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+class Buffer:
+    """Communication buffer of one rank of an expert-parallel group.
+
+    Args:
+        group: the expert-parallel process group (``None`` = the default group).
+        num_nvl_bytes: NVLink (CUDA IPC) buffer bytes for high-throughput kernels; see
+            ``Config.get_nvl_buffer_size_hint``.
+        num_rdma_bytes: NVSHMEM buffer bytes for internode and low-latency kernels; see
+            ``Config.get_rdma_buffer_size_hint`` and ``Buffer.get_low_latency_rdma_size_hint``.
+        low_latency_mode: enables the ``low_latency_*`` calls.
+        num_qps_per_rank: RDMA queue pairs per peer (low-latency mode uses one per local expert).
+        allow_nvlink_for_low_latency_mode: low-latency kernels use NVLink P2P to peers that have it.
+        allow_mnnvl: treat a multi-node NVLink domain as one node.
+        explicitly_destroy: resources are freed by ``destroy()`` rather than at garbage collection.
+        backend: ``"auto"`` (CUDA engine when built and a GPU is visible, else reference), ``"cuda"`` or
+            ``"reference"``.
+        num_ranks_per_node: ranks of one NVLink domain (default: env ``EP_DISPATCHER_RANKS_PER_NODE`` or 8).
+        timeout_s: how long a kernel waits for a peer before failing with rank and stage (default: env
+            ``EP_DISPATCHER_TIMEOUT_S`` or 100 s).
+        validate_inputs: also check values that live on the device (``topk_idx`` range); costs one host
+            sync per call on a GPU and is skipped automatically during CUDA-graph capture.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, backend: str = "auto", num_ranks_per_node: Optional[int] = None,
+                 timeout_s: Optional[float] = None, validate_inputs: bool = True):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Buffer: torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group(...) before creating a Buffer")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        self.num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.validate_inputs = bool(validate_inputs)
+        if num_ranks_per_node is None:
+            num_ranks_per_node = int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", _config.DEFAULT_RANKS_PER_NODE))
+        self.num_ranks_per_node = check_int("num_ranks_per_node", num_ranks_per_node, minimum=1)
+        if self.group_size > self.num_ranks_per_node and self.group_size % self.num_ranks_per_node != 0:
+            raise ValueError(f"num_ranks_per_node: the group has {self.group_size} ranks, which is not a multiple of "
+                             f"num_ranks_per_node={self.num_ranks_per_node}")
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("EP_DISPATCHER_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+        why_not_cuda = _extension_error()
+        if backend == "cuda" and why_not_cuda:
+            raise RuntimeError(f"backend='cuda' is unavailable: {why_not_cuda}; use backend='reference' or 'auto'")
+        use_cuda = backend == "cuda" or (backend == "auto" and why_not_cuda is None)
+        if use_cuda:
+            from .backends.cuda import CudaBackend
+
+            self._backend = CudaBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
+        else:
+            from .backends.reference import ReferenceBackend
+
+            self._backend = ReferenceBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
+        self.buffer_id = next(_buffer_ids)
+        self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._destroyed = False
+        self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
+        self._ll_pending_hooks = 0
+
+    # ------------------------------------------------------------------ properties and static helpers
+    @property
+    def backend(self) -> str:
+        """Name of the backend serving this buffer: ``"cuda"`` or ``"reference"``."""
+        return self._backend.name
+
+    @property
+    def num_ranks(self) -> int:
+        return self.group_size
+
+    @property
+    def is_internode(self) -> bool:
+        return self.group_size > self.num_ranks_per_node
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs used by high-throughput kernels of every buffer (even: one sender and one receiver per channel)."""
+        check_int("new_num_sms", new_num_sms, minimum=2)
+        if new_num_sms % 2 != 0:
+            raise ValueError(f"new_num_sms: expected an even number, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Tuned dispatch ``Config`` for ``num_ranks`` (from ``configs/``), with ``Buffer.num_sms`` SMs."""
+        return _config.load_tuned_config("dispatch", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Tuned combine ``Config`` for ``num_ranks`` (from ``configs/``), with ``Buffer.num_sms`` SMs."""
+        return _config.load_tuned_config("combine", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` a low-latency buffer needs for these sizes."""
+        return _config.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as ``previous_event``."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    def destroy(self) -> None:
+        """Free the buffer's resources; the buffer cannot be used afterwards."""
+        if self._destroyed:
+            raise RuntimeError("destroy: this Buffer was already destroyed")
+        destroy = getattr(self._backend, "destroy", None)
+        if destroy is not None:
+            destroy()
+        self._destroyed = True
+
+    # ------------------------------------------------------------------ shared plumbing
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed; create a new one")
+
+    def _check_num_experts(self, num_experts) -> int:
+        check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size != 0:
+            raise ValueError(f"num_experts: expected a multiple of the number of ranks ({self.group_size}), got {num_experts}")
+        return num_experts
+
+    def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, device) -> torch.Tensor:
+        check_tensor("topk_idx", topk_idx, dtypes=torch.int64, shape=(num_tokens, None), device=device)
+        if topk_idx.size(1) > NUM_MAX_TOPK or topk_idx.size(1) < 1:
+            raise ValueError(f"topk_idx: expected 1 <= num_topk <= {NUM_MAX_TOPK}, got num_topk={topk_idx.size(1)}")
+        if self.validate_inputs:
+            check_topk_idx_range(topk_idx, num_experts)
+        return topk_idx
+
+    def _check_handle(self, handle, kind: type):
+        if not isinstance(handle, kind):
+            raise TypeError(f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError(f"handle: it was created by another Buffer (id {handle.buffer_id}), not this one "
+                             f"(id {self.buffer_id}); use the buffer that dispatched")
+        return handle
+
+    def _check_event(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream: needs previous_event and async_finish=True (the outputs then "
+                             "belong to the communication stream until the returned event is waited on)")
+
+    def _run(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
+             allocate_on_comm_stream: bool, inputs: Sequence, call: Callable):
+        """Run ``call`` on the communication stream after ``previous_event`` (or the current stream).
+
+        Returns ``(result, EventOverlap)``. On CPU the call is synchronous and the event empty.
+        """
+        self._check_alive()
+        if device.type != "cuda":
+            return call(), EventOverlap()
+        compute = torch.cuda.current_stream(device)
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=device, priority=-1)  # high priority: comm gates compute
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            result = call()
+        outputs = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
+        if not allocate_on_comm_stream:
+            for t in outputs:
+                t.record_stream(compute)  # outputs are used (and freed) on the compute stream
+        if async_finish:
+            for t in _flatten(inputs):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(comm)  # inputs stay allocated until the comm stream is done reading them
+            event = torch.cuda.Event()
+            event.record(comm)
+            return result, EventOverlap(event, [t for t in _flatten(inputs) if isinstance(t, torch.Tensor)] + outputs)
+        compute.wait_stream(comm)
+        return result, EventOverlap()
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Per-rank / per-expert counts of a routing.
+
+        Args:
+            topk_idx: ``[num_tokens, num_topk] int64``, expert ids in ``[-1, num_experts)``; ``-1`` = no expert.
+        Returns:
+            ``(num_tokens_per_rank [num_ranks] int32, num_tokens_per_rdma_rank [num_nodes] int32 or None,
+            num_tokens_per_expert [num_experts] int32, is_token_in_rank [num_tokens, num_ranks] bool, event)``.
+            Counts per rank/node are deduplicated per token; ``num_tokens_per_rdma_rank`` is ``None`` unless the
+            group spans several nodes.
+        """
+        self._check_num_experts(num_experts)
+        self._check_topk_idx(topk_idx, None, num_experts, None)
+        self._check_event(previous_event, async_finish, allocate_on_comm_stream)
+        result, event = self._run(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream, [topk_idx],
+                                  lambda: self._backend.get_dispatch_layout(topk_idx, num_experts))
+        return (*result, event)
+
+    # ------------------------------------------------------------------ high-throughput dispatch / combine
+    def _check_buffer_size(self, hidden: int, element_size: int, config: Config) -> None:
+        hidden_bytes = hidden * max(element_size, 2)
+        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_nvl_bytes < need_nvl:
+            raise ValueError(f"num_nvl_bytes: this call needs at least {need_nvl} bytes "
+                             f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
+                             f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}")
+        if self.is_internode:
+            need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+            if self.num_rdma_bytes < need_rdma:
+                raise ValueError(f"num_rdma_bytes: internode calls need at least {need_rdma} bytes "
+                                 f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size})), "
+                                 f"but the Buffer was created with num_rdma_bytes={self.num_rdma_bytes}")
+
+    def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        data, scales = split_fp8(name, x)
+        if scales is None:
+            check_tensor(name, data, dtypes=self._backend.float_dtypes)
+            if data.dim() != 2:
+                raise ValueError(f"{name}: expected shape [num_tokens, hidden], got {list(data.shape)}")
+        if data.size(1) * data.element_size() % 16 != 0:
+            raise ValueError(f"{name}: rows must be a multiple of 16 bytes (hidden * element_size % 16 == 0), "
+                             f"got hidden={data.size(1)} with {data.dtype}")
+        return data, scales
+
+    def _check_config(self, config, default: Callable[[int], Config]) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config: expected an ep_dispatcher.Config or None, got {type(config).__name__}")
+        return config
+
+    def dispatch(self, x: FloatPayload, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank holding one of its experts.
+
+        Args:
+            x: ``[num_tokens, hidden] bfloat16`` (the reference backend also takes float16/32/64), or
+                ``(float8_e4m3fn [num_tokens, hidden], float32 scales [num_tokens, hidden / 128])``.
+            handle: a handle from an earlier dispatch: cached mode, reuses its layout (no count exchange, no host
+                sync); the layout arguments must then be ``None``.
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert: from
+                ``get_dispatch_layout``.
+            topk_idx ``[num_tokens, num_topk] int64`` / topk_weights ``[num_tokens, num_topk] float32``: optional.
+            expert_alignment: each entry of the per-expert count list is rounded up to a multiple of it.
+            num_worst_tokens: if > 0, outputs have exactly that many rows and nothing waits on the host (CUDA-graph
+                capturable); padding rows have ``recv_topk_idx == -1`` and the count list is empty.
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+            ``recv_x`` in the form of ``x``, rows grouped by source rank ascending, source order kept;
+            ``recv_topk_idx`` holds local expert ids (``-1`` for experts elsewhere, whose weight is 0). The counts
+            also live on the device as ``handle.num_recv_tokens_per_expert``. Cached mode returns ``None`` for the
+            top-k outputs and the list.
+        """
+        data, scales = self._check_payload("x", x)
+        num_tokens = data.size(0)
+        config = self._check_config(config, Buffer.get_dispatch_config)
+        self._check_buffer_size(data.size(1), data.element_size(), config)
+        self._check_event(previous_event, async_finish, allocate_on_comm_stream)
+        device = data.device
+        wrap = (lambda d, s: (d, s)) if scales is not None else (lambda d, s: d)
+
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                if value is not None:
+                    raise ValueError(f"{name}: must be None in cached mode (handle given); the handle holds the layout")
+            if num_tokens != handle.num_tokens:
+                raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
+            (recv, recv_scales), event = self._run(
+                device, previous_event, async_finish, allocate_on_comm_stream, [data, scales],
+                lambda: self._backend.cached_dispatch(data, scales, handle))
+            return wrap(recv, recv_scales), None, None, None, handle, event
+
+        check_tensor("is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size),
+                     device=device)
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtypes=torch.int32, shape=(self.group_size,), device=device)
+        if self.is_internode:
+            num_nodes = self.group_size // self.num_ranks_per_node
+            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=torch.int32, shape=(num_nodes,),
+                         device=device)
+        check_int("expert_alignment", expert_alignment, minimum=1)
+        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        num_experts = None
+        if topk_idx is not None or topk_weights is not None or num_tokens_per_expert is not None:
+            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                                ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f"{name}: expected a tensor (topk_idx, topk_weights and num_tokens_per_expert go "
+                                     "together), got None")
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtypes=torch.int32, shape=(None,), device=device)
+            num_experts = self._check_num_experts(num_tokens_per_expert.size(0))
+            self._check_topk_idx(topk_idx, num_tokens, num_experts, device)
+            check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=tuple(topk_idx.shape), device=device)
+
+        result, event = self._run(
+            device, previous_event, async_finish, allocate_on_comm_stream,
+            [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
+            lambda: self._backend.dispatch(data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights,
+                                           num_experts, expert_alignment, num_worst_tokens, self.buffer_id))
+        recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
+        return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send each received row back to its source rank, which sums them (unweighted).
+
+        Args:
+            x: ``[handle.num_recv_rows, hidden]`` (the dispatch's ``recv_x`` rows, expert outputs already weighted).
+            handle: from the dispatch.
+            topk_weights: optional ``[num_recv_rows, num_topk] float32``, summed back too (rebuilds the original
+                weights; dispatch's backward).
+            bias: optional ``[num_tokens, hidden]`` tensor or pair of them, added to the sum.
+        Returns:
+            ``(combined_x [num_tokens, hidden] x.dtype, combined_topk_weights [num_tokens, num_topk] float32 or None,
+            event)``. Summation: ``bias_0 + bias_1``, then each rank's row in rank order, in fp32 (fp64 for fp64
+            input), one rounding at the end: deterministic.
+        """
+        self._check_handle(handle, DispatchHandle)
+        rows = handle.num_recv_rows
+        check_tensor("x", x, dtypes=self._backend.float_dtypes, shape=(rows, None))
+        if x.size(1) * x.element_size() % 16 != 0:
+            raise ValueError(f"x: rows must be a multiple of 16 bytes, got hidden={x.size(1)} with {x.dtype}")
+        config = self._check_config(config, Buffer.get_combine_config)
+        self._check_buffer_size(x.size(1), x.element_size(), config)
+        self._check_event(previous_event, async_finish, allocate_on_comm_stream)
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=(rows, None), device=x.device)
+        biases: List[torch.Tensor] = []
+        if bias is not None:
+            biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+            if len(biases) > 2:
+                raise ValueError(f"bias: expected a tensor or a pair of tensors, got {len(biases)} tensors")
+            for i, b in enumerate(biases):
+                check_tensor(f"bias[{i}]" if isinstance(bias, (tuple, list)) else "bias", b, dtypes=x.dtype,
+                             shape=(handle.num_tokens, x.size(1)), device=x.device)
+        (combined, combined_w), event = self._run(
+            x.device, previous_event, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases],
+            lambda: self._backend.combine(x, handle, topk_weights, biases))
+        return combined, combined_w, event
+
+    # ------------------------------------------------------------------ low latency
+    def _check_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency calls need Buffer(..., low_latency_mode=True, num_rdma_bytes=...)")
+        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        self._check_num_experts(num_experts)
+        if hidden % 128 != 0:
+            raise ValueError(f"x: low-latency kernels need hidden % 128 == 0, got hidden={hidden}")
+        need = Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes: low-latency calls with num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts} need at "
+                             f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
+                             f"with num_rdma_bytes={self.num_rdma_bytes}")
+
+    def _take_low_latency_half(self) -> int:
+        if self._ll_pending_hooks >= NUM_LOW_LATENCY_BUFFERS:
+            raise RuntimeError(f"low-latency call: {self._ll_pending_hooks} earlier calls still wait for their hook; "
+                               f"only {NUM_LOW_LATENCY_BUFFERS} can be in flight (the buffer is double-buffered): "
+                               "call a pending hook first")
+        half = self._ll_half
+        self._ll_half = (half + 1) % NUM_LOW_LATENCY_BUFFERS
+        return half
+
+    def _make_hook(self, receive: Callable[[], None], return_recv_hook: bool):
+        if not return_recv_hook:
+            receive()
+            return None
+        self._ll_pending_hooks += 1
+        state = {"called": False}
+
+        def hook() -> None:
+            """Run the receive phase of the low-latency call that returned this hook (exactly once)."""
+            if state["called"]:
+                raise RuntimeError("hook: already called; each low-latency hook runs its receive phase exactly once")
+            state["called"] = True
+            self._ll_pending_hooks -= 1
+            receive()
+
+        return hook
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
+        """Decode-time dispatch into fixed expert-major buffers (no host sync).
+
+        Args:
+            x: ``[num_tokens, hidden] bfloat16``, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden % 128 == 0.
+            topk_idx: ``[num_tokens, num_topk] int64``, ``-1`` = no expert.
+            use_fp8: cast to FP8 in the kernel (per-128-channel scales ``amax / 448``); ``round_scale`` rounds the
+                scales up to powers of two; ``use_ue8m0`` (needs ``round_scale``, hidden % 512 == 0) packs them as
+                8-bit exponents, four per int32.
+            return_recv_hook: launch only the send phase and return ``hook``; ``hook()`` runs the receive phase.
+            cumulative_local_expert_recv_stats: optional ``[num_local_experts] int32``, incremented by ``recv_count``.
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``[E_local, num_ranks * max_tokens, hidden]``
+            bf16, or with FP8 a pair ``(float8 data, scales)`` where scales are ``[E_local, num_ranks * max_tokens,
+            hidden / 128] float32`` (``hidden / 512`` int32 with UE8M0) stored token-minor (a transposed view, as
+            grouped GEMMs want); ``recv_count [E_local] int32``. Expert ``e`` holds ``recv_count[e]`` tokens in its
+            first slots, grouped by source rank ascending, token order kept (deterministic).
+        """
+        self._check_alive()
+        check_tensor("x", x, dtypes=torch.bfloat16)
+        if x.dim() != 2:
+            raise ValueError(f"x: expected shape [num_tokens, hidden], got {list(x.shape)}")
+        num_tokens, hidden = x.shape
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device)
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0: needs round_scale=True (UE8M0 stores power-of-two scales only)")
+        if use_ue8m0 and hidden % 512 != 0:
+            raise ValueError(f"use_ue8m0: needs hidden % 512 == 0 (four scales per int32), got hidden={hidden}")
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0: needs use_fp8=True")
+        num_local_experts = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtypes=torch.int32,
+                         shape=(num_local_experts,), device=x.device)
+        self._take_low_latency_half()
+
+        num_slots = self.group_size * num_max_dispatch_tokens_per_rank
+        device = x.device
+        if use_fp8:
+            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn, device=device)
+            groups = hidden // 512 if use_ue8m0 else hidden // 128
+            scale_dtype = torch.int32 if use_ue8m0 else torch.float32
+            recv_scales = torch.empty((num_local_experts, groups, num_slots), dtype=scale_dtype, device=device).transpose(1, 2)
+        else:
+            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
+            recv_scales = None
+        recv_count, handle, receive = self._backend.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, self.buffer_id)
+        recv_count_out = torch.empty_like(recv_count)
+
+        def finish() -> None:
+            receive((recv_data, recv_scales))
+            recv_count_out.copy_(recv_count)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(recv_count)
+
+        hook = self._make_hook(finish, return_recv_hook)
+        event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
+        recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
+        return recv_x, recv_count_out, handle, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` buffer the next ``low_latency_combine`` reads
+        when ``zero_copy=True``: write the expert outputs there to skip one copy."""
+        self._check_alive()
+        self._check_handle(handle, LowLatencyHandle)
+        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        return self._backend.low_latency_combine_buffer(self._ll_half, shape, handle.src_info.device)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+        """Bring expert outputs back and reduce them: ``out[t] = sum_k w[t, k] * y[t, k]`` in fp32, k ascending.
+
+        Args:
+            x: ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` expert outputs in the dispatch's layout
+                (with ``zero_copy``: the tensor from ``get_next_low_latency_combine_buffer``).
+            topk_idx, topk_weights: the dispatch's ``[num_tokens, num_topk]`` ids (int64) and weights (float32).
+            out: optional ``[num_tokens, hidden] bfloat16`` destination.
+        Returns:
+            ``(combined_x [num_tokens, hidden] bfloat16, event, hook)``.
+        """
+        self._check_alive()
+        self._check_handle(handle, LowLatencyHandle)
+        num_local_experts = handle.num_experts // self.group_size
+        num_slots = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        check_tensor("x", x, dtypes=torch.bfloat16, shape=(num_local_experts, num_slots, handle.hidden))
+        self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if zero_copy:
+            expected = self.get_next_low_latency_combine_buffer(handle)
+            if x.data_ptr() != expected.data_ptr():
+                raise ValueError("x: with zero_copy=True, x must be the tensor returned by "
+                                 "get_next_low_latency_combine_buffer(handle) just before this call")
+        shape = (handle.num_tokens, handle.num_topk)
+        self._check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, x.device)
+        if tuple(topk_idx.shape) != shape:
+            raise ValueError(f"topk_idx: expected shape {list(shape)} (as dispatched), got {list(topk_idx.shape)}")
+        check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=shape, device=x.device)
+        if out is not None:
+            check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
+        else:
+            out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
+        self._take_low_latency_half()
+        receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle)
+        hook = self._make_hook(lambda: receive(out), return_recv_hook)
+        event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
+        return out, event, hook
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency buffer's signal area (needed after high-throughput use of the same memory)."""
+        self._check_alive()
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        clean = getattr(self._backend, "clean_low_latency_buffer", None)
+        if clean is not None:
+            clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+def _flatten(obj):
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _flatten(item)
+    elif isinstance(obj, DispatchHandle):
+        return
+    else:
+        yield obj

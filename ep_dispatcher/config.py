@@ -1,0 +1,183 @@
+"""Kernel configuration (SMs, chunk sizes) and the buffer sizes it implies.
+
+The names and positional order follow DeepEP's ``Config`` so that code written for it works unchanged:
+``Config(num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)``.
+Tuned values per (GPU, number of ranks) live in ``configs/*.json`` and are read by :func:`load_tuned_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+NUM_MAX_TOPK = 16  # widest top-k the engine's per-token metadata slot holds (DeepSeek-V3 uses 8)
+FP8_GROUP_SIZE = 128  # channels per FP8 scale
+BUFFER_ALIGNMENT = 128  # every region of the registered buffer starts on a 128-byte boundary (TMA, 16-B vectors)
+DEFAULT_RANKS_PER_NODE = 8  # GPUs of one NVLink domain unless told otherwise
+NUM_LOW_LATENCY_BUFFERS = 2  # LL calls alternate between two halves, so one call's output survives the next call
+
+
+def _align(value: int, alignment: int = BUFFER_ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def per_token_bytes(hidden_bytes: int) -> int:
+    """Bytes one token occupies in a ring buffer: payload, worst-case FP8 scales, top-k ids/weights, source index."""
+    hidden = hidden_bytes // 2  # hint callers pass hidden * max(element_size, 2): BF16 sizing covers FP8 too
+    scale_bytes = (hidden + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
+    topk_bytes = NUM_MAX_TOPK * (8 + 4)  # int64 ids + fp32 weights
+    return _align(hidden_bytes + scale_bytes + topk_bytes + 4, 16)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch configuration of one high-throughput kernel.
+
+    num_sms: SMs the kernel occupies (even; channels = num_sms / 2, one sender and one receiver block each).
+    num_max_*_chunked_send_tokens: tokens a sender pushes before publishing the tail counter.
+    num_max_*_chunked_recv_tokens: ring-buffer depth (tokens) per (channel, peer).
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
+        if self.num_sms % 2 != 0:
+            raise ValueError(f"Config.num_sms: expected an even number (one sender + one receiver block per channel), "
+                             f"got {self.num_sms}")
+        if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError("Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens "
+                             f"({self.num_max_nvl_chunked_recv_tokens}), got {self.num_max_nvl_chunked_send_tokens}")
+        if self.num_max_rdma_chunked_send_tokens > self.num_max_rdma_chunked_recv_tokens:
+            raise ValueError("Config.num_max_rdma_chunked_send_tokens: expected <= num_max_rdma_chunked_recv_tokens "
+                             f"({self.num_max_rdma_chunked_recv_tokens}), got {self.num_max_rdma_chunked_send_tokens}")
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer a rank needs for this config: ``hidden_bytes = hidden * max(element_size, 2)``."""
+        _check_hint_args(hidden_bytes, num_ranks)
+        nvl_peers = min(num_ranks, DEFAULT_RANKS_PER_NODE)
+        ring = self.num_channels * nvl_peers * self.num_max_nvl_chunked_recv_tokens * per_token_bytes(hidden_bytes)
+        counters = self.num_channels * nvl_peers * 4 * 4  # head, tail, start, end (int32) per (channel, peer)
+        prefix_matrices = num_ranks * num_ranks * 4 + 2 * num_ranks * self.num_channels * 4
+        return _align(ring) + _align(counters) + _align(prefix_matrices)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVSHMEM buffer a rank needs for internode dispatch (0 when all ranks share a node)."""
+        _check_hint_args(hidden_bytes, num_ranks)
+        if num_ranks <= DEFAULT_RANKS_PER_NODE:
+            return 0
+        num_nodes = (num_ranks + DEFAULT_RANKS_PER_NODE - 1) // DEFAULT_RANKS_PER_NODE
+        # Send and receive rings per (channel, node).
+        ring = 2 * self.num_channels * num_nodes * self.num_max_rdma_chunked_recv_tokens * per_token_bytes(hidden_bytes)
+        counters = 2 * self.num_channels * num_nodes * 4 * 8
+        return _align(ring) + _align(counters)
+
+
+def _check_hint_args(hidden_bytes: int, num_ranks: int) -> None:
+    if not isinstance(hidden_bytes, int) or hidden_bytes <= 0 or hidden_bytes % 16 != 0:
+        raise ValueError(f"hidden_bytes: expected a positive multiple of 16 (hidden * max(element_size, 2)), got {hidden_bytes!r}")
+    if not isinstance(num_ranks, int) or num_ranks <= 0:
+        raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
+
+
+def low_latency_dispatch_message_bytes(hidden: int) -> int:
+    """One LL dispatch message: 16 bytes of metadata + the larger of the BF16 and FP8(+scales) payloads."""
+    return _align(16 + max(hidden * 2, hidden + hidden // FP8_GROUP_SIZE * 4), 16)
+
+
+def low_latency_combine_message_bytes(hidden: int) -> int:
+    return _align(16 + hidden * 2, 16)
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                   num_experts: int) -> int:
+    """NVSHMEM bytes per rank for low-latency mode (both halves of the double buffer)."""
+    for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                        ("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if hidden % FP8_GROUP_SIZE != 0:
+        raise ValueError(f"hidden: low-latency kernels need hidden % {FP8_GROUP_SIZE} == 0, got {hidden}")
+    dispatch_msg = low_latency_dispatch_message_bytes(hidden)
+    combine_msg = low_latency_combine_message_bytes(hidden)
+    tokens = num_max_dispatch_tokens_per_rank
+    # Send side: one staged copy per token (dispatch) or per (expert, slot) (combine); receive side: a slot
+    # for every (expert, source rank, token).
+    send = max(tokens * dispatch_msg, num_experts * tokens * combine_msg)
+    recv = num_experts * tokens * max(dispatch_msg, combine_msg)
+    signals = num_experts * 4 * 2
+    return NUM_LOW_LATENCY_BUFFERS * (_align(send) + _align(recv) + _align(signals))
+
+
+def _config_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("EP_DISPATCHER_CONFIG_DIR"):
+        dirs.append(Path(os.environ["EP_DISPATCHER_CONFIG_DIR"]))
+    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # source checkout / editable install
+    try:
+        from importlib.resources import files
+
+        dirs.append(Path(str(files("ep_dispatcher.configs"))))  # installed wheel
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    return dirs
+
+
+@lru_cache(maxsize=None)
+def _load_config_table(gpu_name: str) -> dict:
+    """The tuned table for ``gpu_name`` ('h200', ...) falling back to ``default.json``."""
+    for directory in _config_dirs():
+        for stem in (gpu_name, "default"):
+            path = directory / f"{stem}.json"
+            if stem and path.is_file():
+                with open(path) as f:
+                    return json.load(f)
+    return {}
+
+
+def gpu_config_name() -> str:
+    """Short lower-case GPU name used to pick a tuned table ('h200', 'h100', ...), '' without a GPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name().lower()
+            for short in ("h200", "h100", "h800", "h20", "b200", "gb200", "a100"):
+                if short in name:
+                    return short
+    except Exception:  # pragma: no cover - any driver trouble means "no tuned table"
+        pass
+    return ""
+
+
+def load_tuned_config(kind: str, num_ranks: int, num_sms: int) -> Config:
+    """Tuned ``Config`` for ``kind`` ('dispatch' or 'combine') and ``num_ranks``; ``num_sms`` overrides the SMs."""
+    if kind not in ("dispatch", "combine"):
+        raise ValueError(f"kind: expected 'dispatch' or 'combine', got {kind!r}")
+    if not isinstance(num_ranks, int) or num_ranks <= 0:
+        raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
+    table = _load_config_table(gpu_config_name())
+    entries = table.get(kind, {})
+    # Exact rank count, else the next larger tuned count (deeper rings are safe), else the largest one.
+    keys = sorted(int(k) for k in entries)
+    chosen = next((k for k in keys if k >= num_ranks), keys[-1] if keys else None)
+    values = dict(entries[str(chosen)]) if chosen is not None else {}
+    values["num_sms"] = num_sms
+    return Config(**values)

@@ -1,0 +1,74 @@
+"""Start N local ranks (processes) with an initialised process group: used by the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_GROUP_TIMEOUT_S = 300  # a collective stuck this long means a peer died; fail instead of hanging CI
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, results, timeout_s: float):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # N ranks on a few cores: one thread each avoids oversubscription
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
+          timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; returns each rank's return value.
+
+    ``fn`` must be importable (defined at module level). A failure on any rank raises ``RuntimeError`` with that
+    rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, results, timeout_s), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict = {}
+    failure: Optional[str] = None
+    for p in procs:
+        p.join(timeout_s + 60)
+    while not results.empty():
+        rank, status, value = results.get()
+        outcomes[rank] = value
+        if status == "error" and failure is None:
+            failure = f"rank {rank} failed:\n{value}"
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            failure = failure or f"a rank did not finish within {timeout_s + 60:.0f} s"
+    if failure is None:
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad or len(outcomes) != world_size:
+            failure = f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]} and no traceback"
+    if failure:
+        raise RuntimeError(failure)
+    return [outcomes[r] for r in range(world_size)]

@@ -1,0 +1,79 @@
+"""Argument checks used at the API edge; every message names the argument, what it got and what it expects."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+
+ShapeSpec = Sequence[Optional[int]]  # None = any size in that dimension
+
+
+def _fmt_shape(shape: ShapeSpec) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_tensor(name: str, t, *, dtypes: Union[torch.dtype, Iterable[torch.dtype], None] = None,
+                 shape: Optional[ShapeSpec] = None, device: Optional[torch.device] = None,
+                 contiguous: bool = True) -> torch.Tensor:
+    """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor with the given dtype(s), shape and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        if not ok:
+            raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+    return t
+
+
+def check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected <= {maximum}, got {value}")
+    return value
+
+
+def is_capturing() -> bool:
+    """True while a CUDA graph is being captured: value checks that read device memory must be skipped."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Entries must be in ``[-1, num_experts)``; costs one host sync on a GPU (skipped under graph capture)."""
+    if topk_idx.numel() == 0 or is_capturing():
+        return
+    lo, hi = int(topk_idx.min().item()), int(topk_idx.max().item())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"topk_idx: expected entries in [-1, {num_experts}) (-1 = no expert), got min {lo}, max {hi}")
+
+
+def split_fp8(name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x`` or ``(x_fp8, scales)`` -> ``(data, scales or None)``, checking the FP8 pair's form."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{name}: expected a tensor or a (float8_e4m3fn data, float32 scales) pair, got {len(x)} items")
+        data, scales = x
+        check_tensor(f"{name}[0]", data, dtypes=torch.float8_e4m3fn)
+        if data.dim() != 2:
+            raise ValueError(f"{name}[0]: expected shape [num_tokens, hidden], got {list(data.shape)}")
+        num_tokens, hidden = data.shape
+        if hidden % 128 != 0:
+            raise ValueError(f"{name}[0]: FP8 payloads need hidden % 128 == 0 (one scale per 128 channels), got hidden={hidden}")
+        check_tensor(f"{name}[1]", scales, dtypes=torch.float32, shape=(num_tokens, hidden // 128), device=data.device)
+        return data, scales
+    check_tensor(name, x)
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn:
+        raise TypeError(f"{name}: an FP8 payload must be passed as a (data, scales) pair, got a bare float8 tensor")
+    return x, None
