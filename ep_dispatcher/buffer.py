@@ -104,7 +104,8 @@ class Buffer:
         if use_cuda:
             from .backends.cuda import CudaBackend
 
-            self._backend = CudaBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
+            self._backend = CudaBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node,
+                                        num_nvl_bytes=self.num_nvl_bytes, timeout_s=self.timeout_s)
         else:
             from .backends.reference import ReferenceBackend
 
@@ -120,6 +121,11 @@ class Buffer:
     def backend(self) -> str:
         """Name of the backend serving this buffer: ``"cuda"`` or ``"reference"``."""
         return self._backend.name
+
+    @property
+    def engine_calls(self) -> tuple:
+        """The calls this buffer runs as CUDA kernels (the rest use the reference implementation)."""
+        return self._backend.engine_calls()
 
     @property
     def num_ranks(self) -> int:
@@ -168,6 +174,7 @@ class Buffer:
             raise RuntimeError("destroy: this Buffer was already destroyed")
         destroy = getattr(self._backend, "destroy", None)
         if destroy is not None:
+            dist.barrier(group=self.group)  # collective: no peer may still write into this rank's memory
             destroy()
         self._destroyed = True
 
@@ -337,7 +344,7 @@ class Buffer:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
             (recv, recv_scales), event = self._run(
                 device, previous_event, async_finish, allocate_on_comm_stream, [data, scales],
-                lambda: self._backend.cached_dispatch(data, scales, handle))
+                lambda: self._backend.cached_dispatch(data, scales, handle, config=config))
             return wrap(recv, recv_scales), None, None, None, handle, event
 
         check_tensor("is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size),
@@ -365,7 +372,8 @@ class Buffer:
             device, previous_event, async_finish, allocate_on_comm_stream,
             [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
             lambda: self._backend.dispatch(data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights,
-                                           num_experts, expert_alignment, num_worst_tokens, self.buffer_id))
+                                           num_experts, expert_alignment, num_worst_tokens, self.buffer_id, config=config,
+                                           num_tokens_per_expert=num_tokens_per_expert))
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
@@ -406,7 +414,7 @@ class Buffer:
                              shape=(handle.num_tokens, x.size(1)), device=x.device)
         (combined, combined_w), event = self._run(
             x.device, previous_event, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases],
-            lambda: self._backend.combine(x, handle, topk_weights, biases))
+            lambda: self._backend.combine(x, handle, topk_weights, biases, config=config))
         return combined, combined_w, event
 
     # ------------------------------------------------------------------ low latency

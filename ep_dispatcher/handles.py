@@ -21,7 +21,9 @@ class DispatchHandle:
         Column ``rank`` gives where each source rank's tokens start in ``recv_x``.
     recv_src_idx: ``[num_recv_tokens] int32``, index of each received token on its source rank.
     is_token_in_rank: ``[num_tokens, num_ranks] bool``, this rank's send pattern.
-    num_recv_tokens: rows of ``recv_x`` that hold tokens (the rest, up to ``num_worst_tokens``, is padding).
+    num_recv_tokens: rows of ``recv_x`` that hold tokens; ``-1`` with ``num_worst_tokens`` (knowing it would need a
+        host sync: read ``rank_prefix_matrix[-1, rank]`` on the device instead). Rows past it are padding:
+        ``recv_topk_idx == -1``, weight 0, ``recv_src_idx == -1``, ``recv_x`` unspecified.
     num_recv_tokens_per_expert: ``[num_local_experts] int32`` device tensor, counts rounded up to
         ``expert_alignment`` (``None`` when dispatched without ``topk_idx``); read it instead of the host list
         to avoid a host sync.

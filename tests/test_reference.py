@@ -86,6 +86,8 @@ def _check_normal(case: rc.Case, me: int) -> None:
     assert wx.size(0) == worst and wlist == []
     assert torch.equal(wx[:n], exp_x) and torch.equal(wtopk[:n], exp_topk) and torch.equal(ww[:n], exp_w)
     assert bool((wtopk[n:] == -1).all()) and bool((ww[n:] == 0).all())
+    assert wh.num_recv_tokens == -1 and int(wh.rank_prefix_matrix[-1, me]) == n
+    assert torch.equal(wh.recv_src_idx[:n], exp_src) and bool((wh.recv_src_idx[n:] == -1).all())
     wcomb, _, _ = buf.combine(rc.expert_fn(me, wx), wh, bias=tuple(biases))
     assert torch.equal(wcomb, rc.expected_combine(case, me, inputs, biases)[0])
 

@@ -56,10 +56,14 @@ class ReferenceBackend:
     """Pure-PyTorch implementation of every call; see the module docstring for the exact semantics."""
 
     name = "reference"
+
+    def engine_calls(self) -> tuple:
+        """Calls that run as CUDA kernels on this backend: none."""
+        return ()
     # Payload dtypes combine and dispatch accept: fp64 lets autograd tests run gradcheck.
     float_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int):
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, **_engine_options):
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks
@@ -116,7 +120,7 @@ class ReferenceBackend:
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_experts: Optional[int], expert_alignment: int,
-                 num_worst_tokens: int, buffer_id: int):
+                 num_worst_tokens: int, buffer_id: int, config=None, num_tokens_per_expert=None):
         """Normal dispatch. Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``."""
         num_tokens, device = x.size(0), x.device
         send_counts_t = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
@@ -167,13 +171,14 @@ class ReferenceBackend:
             recv_x_scales = self._pad_rows(recv_x_scales, num_worst_tokens, 0)
             recv_topk_idx = self._pad_rows(recv_topk_idx, num_worst_tokens, -1)
             recv_topk_weights = self._pad_rows(recv_topk_weights, num_worst_tokens, 0)
+            recv_src_idx = self._pad_rows(recv_src_idx, num_worst_tokens, -1)
 
         rank_prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32).to(device)
         handle = DispatchHandle(
             buffer_id=buffer_id, num_ranks=self.num_ranks, rank_prefix_matrix=rank_prefix_matrix,
-            recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank, num_recv_tokens=num_recv,
+            recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank, num_recv_tokens=num_recv if num_worst_tokens == 0 else -1,
             num_recv_tokens_per_expert=per_expert, num_worst_tokens=num_worst_tokens, expert_alignment=expert_alignment,
-            backend_state={"send_idx": send_idx, "send_counts": send_counts, "recv_counts": recv_counts})
+            backend_state={"send_idx": send_idx, "send_counts": send_counts, "recv_counts": recv_counts, "num_recv": num_recv})
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     @staticmethod
@@ -188,7 +193,7 @@ class ReferenceBackend:
         out[:t.size(0)] = t
         return out
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle):
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None):
         state = handle.backend_state
         send_idx = state["send_idx"]
         parts, templates = [x[send_idx]], [(x.dtype, tuple(x.shape[1:]))]
@@ -205,10 +210,10 @@ class ReferenceBackend:
         return recv_x, recv_x_scales
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: Sequence[torch.Tensor]):
+                bias: Sequence[torch.Tensor], config=None):
         """Sum each token's rows from every rank that received it. Returns ``(combined_x, combined_topk_weights)``."""
         state = handle.backend_state
-        num_recv = handle.num_recv_tokens
+        num_recv = state["num_recv"]
         send_idx, send_counts, recv_counts = state["send_idx"], state["send_counts"], state["recv_counts"]
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         parts = [x[:num_recv]]
