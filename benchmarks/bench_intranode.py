@@ -1,0 +1,163 @@
+"""Intranode dispatch/combine benchmark: N ranks on the visible GPU(s) (one GPU: run under MPS).
+
+    python benchmarks/bench_intranode.py --ranks 8 --num-sms 16               # the standard shape
+    python benchmarks/bench_intranode.py --ranks 8 --sweep 512,1024,2048,4096,8192 --out bench.json
+
+Standard shape (DESIGN.md section 6): 4096 tokens/rank, hidden 7168, top-8 of 256 experts, FP8 dispatch,
+BF16 combine. Bandwidth in the field's accounting: bytes received by a rank (``recv_x`` incl. the local share;
+FP8 counts data + scales) over the call's time; "wire" excludes the local share. The limit on one GPU is the
+device-to-device copy bandwidth measured in the same run (bytes read + written); each call's own traffic on one
+GPU is several HBM passes per logical byte, so the ratio says how close the design is to what one GPU can do.
+Times are medians over several groups of back-to-back calls (ranks stay in lock step through the kernels'
+barriers), measured with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
+from ep_dispatcher.launch import spawn  # noqa: E402
+
+STAGING_REFERENCE_GBPS = {"dispatch": 935.0, "combine": 1090.0}  # DESIGN.md 6: best-known staging design, 8 ranks, 16 SMs
+
+
+def _time_calls(fn: Callable[[], object], calls: int, groups: int) -> float:
+    """Median over ``groups`` of the mean time (s) of ``calls`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    per_call: List[float] = []
+    for _ in range(groups):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(per_call)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + bytes written, GB/s."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn((tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    scores = torch.rand((tokens, experts), generator=g)
+    topk_idx = scores.topk(topk, dim=1).indices.to(device)
+    topk_weights = torch.rand((tokens, topk), generator=g).to(device)
+    return x, topk_idx, topk_weights
+
+
+def _rank_main(rank: int, world: int, args) -> Dict:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
+    dist.barrier()
+    max_tokens = max(args.sweep)
+    # Room for the worst case: every rank's tokens arrive here (dispatch), every token goes to min(R, k) ranks (combine).
+    dispatch_rows = max_tokens * world * (args.hidden + args.hidden // 128 * 4 + args.topk * 12 + 4)
+    combine_rows = max_tokens * min(world, args.topk) * (args.hidden * 2 + args.topk * 4)
+    num_nvl_bytes = max(dispatch_rows, combine_rows) + (16 << 20)
+    buffer = Buffer(None, num_nvl_bytes=num_nvl_bytes, backend="cuda", validate_inputs=False)
+    config = Config(args.num_sms)
+    results = []
+    for tokens in args.sweep:
+        x, topk_idx, topk_weights = _routing(rank, tokens, args.hidden, args.experts, args.topk, device)
+        x_fp8 = per_token_cast_to_fp8(x)
+        layout = buffer.get_dispatch_layout(topk_idx, args.experts)
+        per_rank, _, per_expert, in_rank, _ = layout
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+        recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
+        num_recv = recv[0].size(0)
+        local_rows = int(in_rank[:, rank].sum())
+        worst = tokens * world
+        y = torch.randn((num_recv, args.hidden), device=device).to(torch.bfloat16)
+        times = {
+            "layout": _time_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), args.calls, args.groups),
+            "dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, **kwargs), args.calls, args.groups),
+            "dispatch_fp8_worst": _time_calls(lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs), args.calls, args.groups),
+            "dispatch_bf16": _time_calls(lambda: buffer.dispatch(x, **kwargs), args.calls, args.groups),
+            "cached_dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, handle=handle, config=config), args.calls, args.groups),
+            "combine_bf16": _time_calls(lambda: buffer.combine(y, handle, config=config), args.calls, args.groups),
+        }
+        fp8_row, bf16_row = args.hidden + args.hidden // 128 * 4, args.hidden * 2
+        results.append({"tokens": tokens, "num_recv": num_recv, "local_rows": local_rows, "times": times,
+                        "bytes": {"dispatch_fp8": num_recv * fp8_row, "dispatch_fp8_worst": num_recv * fp8_row,
+                                  "cached_dispatch_fp8": num_recv * fp8_row, "dispatch_bf16": num_recv * bf16_row,
+                                  "combine_bf16": num_recv * bf16_row, "layout": 0},
+                        "wire_bytes": {"dispatch_fp8": (num_recv - local_rows) * fp8_row,
+                                       "combine_bf16": (num_recv - local_rows) * bf16_row}})
+    buffer.destroy()
+    return {"rank": rank, "copy_gbps": copy_gbps, "results": results}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=16)
+    parser.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
+    parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed group")
+    parser.add_argument("--groups", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write the full results as JSON here")
+    args = parser.parse_args(argv)
+    per_rank = spawn(_rank_main, args.ranks, args)
+    copy_gbps = per_rank[0]["copy_gbps"]
+    gpus = torch.cuda.device_count()
+    print(f"intranode: {args.ranks} ranks on {min(gpus, args.ranks)} GPU(s) ({torch.cuda.get_device_name()}), "
+          f"{args.num_sms} SMs/rank, hidden {args.hidden}, top-{args.topk} of {args.experts}; "
+          f"copy bandwidth {copy_gbps:.0f} GB/s (read+write)")
+    table = []
+    for i, tokens in enumerate(args.sweep):
+        rows = [r["results"][i] for r in per_rank]
+        for kind in ("layout", "dispatch_fp8", "dispatch_fp8_worst", "cached_dispatch_fp8", "dispatch_bf16", "combine_bf16"):
+            t = statistics.median(r["times"][kind] for r in rows)
+            agg_bytes = sum(r["bytes"][kind] for r in rows)
+            agg = agg_bytes / t / 1e9 if agg_bytes else 0.0
+            ref = STAGING_REFERENCE_GBPS.get(kind.split("_")[0] if kind != "combine_bf16" else "combine")
+            entry = {"tokens": tokens, "kind": kind, "us": t * 1e6, "agg_GBps": agg, "per_rank_GBps": agg / args.ranks,
+                     "bytes_per_rank": agg_bytes / args.ranks, "ratio_to_copy_bw": agg / copy_gbps if copy_gbps else None,
+                     "vs_staging_reference": (agg / ref) if (ref and kind in ("dispatch_fp8", "dispatch_fp8_worst", "combine_bf16")) else None}
+            table.append(entry)
+            extra = f" {entry['vs_staging_reference']:.2f}x staging ref" if entry["vs_staging_reference"] else ""
+            print(f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us  {agg_bytes / args.ranks / 1e6:8.2f} MB/rank  "
+                  f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw){extra}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "copy_gbps": copy_gbps, "table": table, "per_rank": per_rank}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,413 @@
+// Intranode dispatch/combine kernels; the design is described in intranode.cuh.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "common.cuh"
+#include "intranode.cuh"
+#include "sync.cuh"
+
+namespace ep::intranode {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kDataThreads = 512;  // 16 warps per block: enough 16-byte loads in flight per SM for copy kernels
+constexpr int kWarpsPerBlock = kDataThreads / kWarpSize;
+constexpr int kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
+
+__host__ __device__ constexpr int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+__device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<int*>(base + kFlagsOffset); }
+__device__ __forceinline__ int* counts_of(char* base) { return reinterpret_cast<int*>(base + kCountsOffset); }
+__device__ __forceinline__ int* expert_counts_of(char* base) { return reinterpret_cast<int*>(base + kExpertCountsOffset); }
+__device__ __forceinline__ char* data_of(char* base) { return base + kSignalBytes; }
+
+// Copies `bytes` from src to dst with one warp: 16-byte vectors when both ends and the size allow, else 4-byte
+// words (FP8 scale rows are multiples of 4 bytes), else bytes. `src` is read-only for the kernel's lifetime.
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes, int lane) {
+    const bool vec16 = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0;
+    if (vec16) {
+        auto* d = static_cast<int4*>(dst);
+        const auto* s = static_cast<const int4*>(src);
+        for (int i = lane; i < bytes / 16; i += kWarpSize) d[i] = __ldg(s + i);
+    } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 3) == 0) {
+        auto* d = static_cast<int*>(dst);
+        const auto* s = static_cast<const int*>(src);
+        for (int i = lane; i < bytes / 4; i += kWarpSize) d[i] = __ldg(s + i);
+    } else {
+        auto* d = static_cast<char*>(dst);
+        const auto* s = static_cast<const char*>(src);
+        for (int i = lane; i < bytes; i += kWarpSize) d[i] = s[i];
+    }
+}
+
+__global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage) {
+    __shared__ int* peer_flags[kMaxRanks];
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
+    __syncthreads();
+    sync::block_barrier(peer_flags, flags_of(peers.base[rank]), epoch, rank, num_ranks, timeout_ns, stage);
+}
+
+__global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
+                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix,
+                              int* recv_per_expert, int64_t timeout_ns) {
+    __shared__ int* peer_flags[kMaxRanks];
+    char* mine = peers.base[rank];
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+        peer_flags[r] = flags_of(peers.base[r]);
+        counts_of(mine)[r] = num_tokens_per_rank[r];
+    }
+    if (num_tokens_per_expert != nullptr) {
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_counts_of(mine)[e] = num_tokens_per_expert[e];
+    }
+    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyCounts);
+
+    for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+        const int src = i / num_ranks, dst = i % num_ranks;
+        count_matrix[i] = sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
+    }
+    if (num_tokens_per_expert != nullptr) {
+        const int num_local_experts = num_experts / num_ranks;
+        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
+            int total = 0;
+            for (int src = 0; src < num_ranks; ++src)
+                total += sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + rank * num_local_experts + e);
+            recv_per_expert[e] = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
+        }
+    }
+    // Nobody may overwrite its counts (next call) while a peer is still reading them.
+    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyDone);
+}
+
+// Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
+__device__ __forceinline__ int recv_base(const int* count_matrix, int num_ranks, int src, int dst) {
+    int base = 0;
+    for (int s = 0; s < src; ++s) base += count_matrix[s * num_ranks + dst];
+    return base;
+}
+
+__global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes,
+                                                                const char* scales, int scale_row_bytes, const int64_t* topk_idx,
+                                                                const float* topk_weights, int num_topk, int num_local_experts,
+                                                                const bool* is_token_in_rank, const int* send_pos,
+                                                                const int* count_matrix, int num_tokens, DispatchRegions regions) {
+    __shared__ int base_in_dst[kMaxRanks];
+    __shared__ int dst_rank[kWarpsPerBlock][kMaxRanks];
+    __shared__ int dst_row[kWarpsPerBlock][kMaxRanks];
+    for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
+    __syncthreads();
+
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_warps = gridDim.x * kWarpsPerBlock;
+    for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += num_warps) {
+        // The destinations of token t, in rank order.
+        int count = 0;
+        for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
+            const int d = d0 + lane;
+            const bool hit = d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+            const unsigned mask = __ballot_sync(0xffffffffu, hit);
+            if (hit) {
+                const int slot = count + __popc(mask & ((1u << lane) - 1));
+                const int row = base_in_dst[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
+                if (row >= regions.capacity) {
+                    printf("ep_dispatcher: dispatch on rank %d: row %d for rank %d exceeds the buffer's capacity of %d rows; "
+                           "raise num_nvl_bytes\n", rank, row, d, regions.capacity);
+                    asm volatile("trap;");
+                }
+                dst_rank[warp][slot] = d;
+                dst_row[warp][slot] = row;
+            }
+            count += __popc(mask);
+        }
+        __syncwarp();
+
+        // Payload: read each 16-byte vector once, store it to every destination.
+        const char* x_row = x + static_cast<int64_t>(t) * x_row_bytes;
+        if ((x_row_bytes & 15) == 0) {
+            for (int i = lane; i < x_row_bytes / 16; i += kWarpSize) {
+                const int4 v = __ldg(reinterpret_cast<const int4*>(x_row) + i);
+                for (int j = 0; j < count; ++j) {
+                    char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
+                    reinterpret_cast<int4*>(dst)[i] = v;
+                }
+            }
+        } else {
+            for (int j = 0; j < count; ++j) {
+                char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
+                warp_copy(dst, x_row, x_row_bytes, lane);
+            }
+        }
+        for (int j = 0; j < count; ++j) {
+            const int d = dst_rank[warp][j];
+            const int64_t row = dst_row[warp][j];
+            char* data = data_of(peers.base[d]);
+            if (scales != nullptr)
+                warp_copy(data + regions.scales_offset + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes,
+                          scale_row_bytes, lane);
+            if (topk_idx != nullptr && lane < num_topk) {
+                // Ids become the destination's local ids; experts elsewhere become -1 with weight 0.
+                const int64_t expert = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+                const bool local = expert >= 0 && expert / num_local_experts == d;
+                reinterpret_cast<int64_t*>(data + regions.topk_offset)[row * num_topk + lane] =
+                    local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
+                reinterpret_cast<float*>(data + regions.weights_offset)[row * num_topk + lane] =
+                    local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+            }
+            if (lane == 0) reinterpret_cast<int*>(data + regions.src_offset)[row] = t;
+        }
+        __syncwarp();
+    }
+}
+
+__global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data, DispatchRegions regions, const int* count_matrix, int rank,
+                                                                int num_ranks, int rows_out, char* recv_x, int x_row_bytes, char* recv_scales,
+                                                                int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights,
+                                                                int num_topk, int* recv_src_idx) {
+    __shared__ int num_recv;
+    if (threadIdx.x == 0) {
+        num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
+        if (num_recv > rows_out) {
+            printf("ep_dispatcher: rank %d received %d tokens, more than num_worst_tokens=%d; raise it to the worst case\n", rank,
+                   num_recv, rows_out);
+            asm volatile("trap;");
+        }
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int64_t row = blockIdx.x * kWarpsPerBlock + warp; row < rows_out; row += gridDim.x * kWarpsPerBlock) {
+        if (row < num_recv) {
+            warp_copy(recv_x + row * x_row_bytes, data + regions.x_offset + row * x_row_bytes, x_row_bytes, lane);
+            if (recv_scales != nullptr)
+                warp_copy(recv_scales + row * scale_row_bytes, data + regions.scales_offset + row * scale_row_bytes, scale_row_bytes, lane);
+            if (recv_topk_idx != nullptr && lane < num_topk) {
+                recv_topk_idx[row * num_topk + lane] = reinterpret_cast<const int64_t*>(data + regions.topk_offset)[row * num_topk + lane];
+                recv_topk_weights[row * num_topk + lane] = reinterpret_cast<const float*>(data + regions.weights_offset)[row * num_topk + lane];
+            }
+            if (lane == 0) recv_src_idx[row] = reinterpret_cast<const int*>(data + regions.src_offset)[row];
+        } else {
+            if (recv_topk_idx != nullptr && lane < num_topk) {
+                recv_topk_idx[row * num_topk + lane] = -1;
+                recv_topk_weights[row * num_topk + lane] = 0.0f;
+            }
+            if (lane == 0) recv_src_idx[row] = -1;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes,
+                                                                    const float* topk_weights, int num_topk, const int* count_matrix,
+                                                                    CombineRegions regions) {
+    __shared__ int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
+    __shared__ int base_at_src[kMaxRanks];   // where this rank's block starts in source s's send order
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            row_begin[s] = total;
+            total += count_matrix[s * num_ranks + rank];
+        }
+        row_begin[num_ranks] = total;
+    }
+    for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
+        int base = 0;
+        for (int d = 0; d < rank; ++d) base += count_matrix[s * num_ranks + d];
+        base_at_src[s] = base;
+    }
+    __syncthreads();
+    const int num_recv = row_begin[num_ranks];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int row = blockIdx.x * kWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kWarpsPerBlock) {
+        int src = 0;
+        while (row >= row_begin[src + 1]) ++src;
+        const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
+        if (back_row >= regions.capacity) {
+            if (lane == 0) {
+                printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the buffer's capacity of %d rows; raise num_nvl_bytes\n",
+                       rank, static_cast<long long>(back_row), src, regions.capacity);
+                asm volatile("trap;");
+            }
+            continue;
+        }
+        char* data = data_of(peers.base[src]);
+        warp_copy(data + regions.x_offset + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes, lane);
+        if (topk_weights != nullptr && lane < num_topk)
+            reinterpret_cast<float*>(data + regions.weights_offset)[back_row * num_topk + lane] =
+                topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+    }
+}
+
+template <typename T>
+struct Vec;
+template <>
+struct Vec<__nv_bfloat16> {
+    static constexpr int kElems = 8;  // one 16-byte vector
+    __device__ static float get(const int4& v, int i) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&v)[i]); }
+    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<__nv_bfloat16*>(&v)[i] = __float2bfloat16_rn(f); }
+};
+template <>
+struct Vec<float> {
+    static constexpr int kElems = 4;
+    __device__ static float get(const int4& v, int i) { return reinterpret_cast<const float*>(&v)[i]; }
+    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<float*>(&v)[i] = f; }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char* data, CombineRegions regions, int rank, int num_ranks,
+                                                                      const int* count_matrix, const bool* is_token_in_rank,
+                                                                      const int* send_pos, int num_tokens, int hidden, const T* bias0,
+                                                                      const T* bias1, T* out, float* out_weights, int num_topk) {
+    using V = Vec<T>;
+    __shared__ int send_base[kMaxRanks];  // start of destination d's block in this rank's send order
+    __shared__ int rows[kWarpsPerBlock][kMaxRanks];
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int d = 0; d < num_ranks; ++d) {
+            send_base[d] = total;
+            total += count_matrix[rank * num_ranks + d];
+        }
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int vectors = hidden / V::kElems;
+    const int64_t row_bytes = static_cast<int64_t>(hidden) * sizeof(T);
+    const char* x_region = data + regions.x_offset;
+    const float* w_region = reinterpret_cast<const float*>(data + regions.weights_offset);
+    for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kWarpsPerBlock) {
+        int count = 0;
+        for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
+            const int d = d0 + lane;
+            const bool hit = d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+            const unsigned mask = __ballot_sync(0xffffffffu, hit);
+            if (hit) rows[warp][count + __popc(mask & ((1u << lane) - 1))] = send_base[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
+            count += __popc(mask);
+        }
+        __syncwarp();
+        for (int i = lane; i < vectors; i += kWarpSize) {
+            float acc[V::kElems];
+#pragma unroll
+            for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
+            // Same order as the reference backend: bias0, bias1, then destination ranks ascending; plain adds
+            // (no fused multiply-add exists in a sum, so the compiler cannot reassociate it).
+            if (bias0 != nullptr) {
+                const int4 b = __ldg(reinterpret_cast<const int4*>(bias0 + static_cast<int64_t>(t) * hidden) + i);
+#pragma unroll
+                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+            }
+            if (bias1 != nullptr) {
+                const int4 b = __ldg(reinterpret_cast<const int4*>(bias1 + static_cast<int64_t>(t) * hidden) + i);
+#pragma unroll
+                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+            }
+            for (int j = 0; j < count; ++j) {
+                const int4 v = reinterpret_cast<const int4*>(x_region + rows[warp][j] * row_bytes)[i];
+#pragma unroll
+                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v, k));
+            }
+            int4 o;
+#pragma unroll
+            for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
+            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden)[i] = o;
+        }
+        if (out_weights != nullptr && lane < num_topk) {
+            float acc = 0.0f;
+            for (int j = 0; j < count; ++j) acc = __fadd_rn(acc, w_region[static_cast<int64_t>(rows[warp][j]) * num_topk + lane]);
+            out_weights[static_cast<int64_t>(t) * num_topk + lane] = acc;
+        }
+        __syncwarp();
+    }
+}
+
+int data_grid(int num_sms, int64_t work_items) {
+    const int64_t needed = ceil_div<int64_t>(std::max<int64_t>(work_items, 1), kWarpsPerBlock);
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms, needed)));
+}
+
+}  // namespace
+
+DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk) {
+    const int64_t per_row = x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
+    const int64_t slack = 5 * kRegionAlignment;  // alignment padding between the five regions
+    DispatchRegions r{};
+    r.capacity = static_cast<int>(std::max<int64_t>(0, (static_cast<int64_t>(data_bytes) - slack) / per_row));
+    const int64_t cap = r.capacity;
+    r.x_offset = 0;
+    r.scales_offset = align_up(r.x_offset + cap * x_row_bytes, kRegionAlignment);
+    r.topk_offset = align_up(r.scales_offset + cap * scale_row_bytes, kRegionAlignment);
+    r.weights_offset = align_up(r.topk_offset + cap * num_topk * static_cast<int64_t>(sizeof(int64_t)), kRegionAlignment);
+    r.src_offset = align_up(r.weights_offset + cap * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment);
+    return r;
+}
+
+CombineRegions combine_regions(size_t data_bytes, int x_row_bytes, int num_topk) {
+    const int64_t per_row = x_row_bytes + static_cast<int64_t>(num_topk) * sizeof(float);
+    CombineRegions r{};
+    r.capacity = static_cast<int>(std::max<int64_t>(0, (static_cast<int64_t>(data_bytes) - 2 * kRegionAlignment) / per_row));
+    r.x_offset = 0;
+    r.weights_offset = align_up(static_cast<int64_t>(r.capacity) * x_row_bytes, kRegionAlignment);
+    return r;
+}
+
+void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
+            int num_experts, int expert_alignment, int* count_matrix, int* recv_per_expert, int64_t timeout_ns, cudaStream_t stream) {
+    EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
+    EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
+    notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
+                                                         num_experts, expert_alignment, count_matrix, recv_per_expert, timeout_ns);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, cudaStream_t stream) {
+    EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
+    barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
+              const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
+              const int* send_pos, const int* count_matrix, int num_tokens, const DispatchRegions& regions, int num_sms, cudaStream_t stream) {
+    EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
+    if (num_tokens == 0) return;
+    dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreads, 0, stream>>>(
+        peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
+        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, num_tokens, regions);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out, void* recv_x,
+              int x_row_bytes, void* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk,
+              int* recv_src_idx, int num_sms, cudaStream_t stream) {
+    // Launched even for rows_out == 0: the kernel is what reports num_recv > rows_out.
+    copy_out_kernel<<<data_grid(num_sms, rows_out), kDataThreads, 0, stream>>>(
+        data, regions, count_matrix, rank, num_ranks, rows_out, static_cast<char*>(recv_x), x_row_bytes, static_cast<char*>(recv_scales),
+        scale_row_bytes, recv_topk_idx, recv_topk_weights, num_topk, recv_src_idx);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
+                  const int* count_matrix, const CombineRegions& regions, int num_sms, cudaStream_t stream) {
+    combine_send_kernel<<<num_sms, kDataThreads, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
+                                                              topk_weights, num_topk, count_matrix, regions);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_reduce(const char* data, const CombineRegions& regions, int rank, int num_ranks, const int* count_matrix,
+                    const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
+                    const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
+    if (num_tokens == 0) return;
+    const int grid = data_grid(num_sms, num_tokens);
+    if (type == FloatType::kBFloat16) {
+        EP_HOST_ASSERT(hidden % Vec<__nv_bfloat16>::kElems == 0, "hidden=", hidden);
+        combine_reduce_kernel<__nv_bfloat16><<<grid, kDataThreads, 0, stream>>>(
+            data, regions, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
+            static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), static_cast<__nv_bfloat16*>(out),
+            out_weights, num_topk);
+    } else {
+        EP_HOST_ASSERT(hidden % Vec<float>::kElems == 0, "hidden=", hidden);
+        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(data, regions, rank, num_ranks, count_matrix, is_token_in_rank,
+                                                                        send_pos, num_tokens, hidden, static_cast<const float*>(bias0),
+                                                                        static_cast<const float*>(bias1), static_cast<float*>(out),
+                                                                        out_weights, num_topk);
+    }
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ep::intranode

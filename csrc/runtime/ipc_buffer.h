@@ -1,0 +1,48 @@
+// One rank's CUDA-IPC buffer for the intranode kernels, and the mapping of every peer's buffer.
+//
+// Layout of each buffer: a signal area (intranode.cuh: barrier flags and counts) followed by the data area that
+// dispatch/combine write rows into. The barrier epoch lives in a separate, private device word so that kernels
+// (and CUDA-graph replays) advance it without the host.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../kernels/intranode.cuh"
+
+namespace ep {
+
+class IpcBuffer {
+   public:
+    IpcBuffer(int rank, int num_ranks, int64_t num_data_bytes, int device);
+    ~IpcBuffer();
+    IpcBuffer(const IpcBuffer&) = delete;
+    IpcBuffer& operator=(const IpcBuffer&) = delete;
+
+    // cudaIpcMemHandle_t of this rank's buffer, as bytes to exchange through the process group.
+    std::string ipc_handle() const;
+    // Maps every peer's buffer (handles[r] from rank r; this rank's own entry is ignored). Called once.
+    void open_peers(const std::vector<std::string>& handles);
+    void destroy();
+
+    bool is_open() const { return opened_; }
+    int rank() const { return rank_; }
+    int num_ranks() const { return num_ranks_; }
+    int device() const { return device_; }
+    int64_t data_bytes() const { return data_bytes_; }
+    char* local_data() const { return base_ + intranode::kSignalBytes; }
+    int* epoch() const { return epoch_; }
+    const intranode::Peers& peers() const { return peers_; }
+
+   private:
+    int rank_, num_ranks_, device_;
+    int64_t data_bytes_;
+    char* base_ = nullptr;
+    int* epoch_ = nullptr;
+    intranode::Peers peers_{};
+    std::vector<bool> mapped_;  // peers whose pointer came from cudaIpcOpenMemHandle (closed on destroy)
+    bool opened_ = false, destroyed_ = false;
+};
+
+}  // namespace ep

@@ -1,0 +1,184 @@
+"""Intranode CUDA engine vs the reference backend, bit for bit, with N ranks sharing the GPU(s).
+
+Run under MPS when several ranks share one GPU (tests/gpu/run_device.sh does that): without MPS the ranks'
+kernels time-slice and every barrier costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from tests import reference_cases as rc
+from tests.dist import run
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+try:
+    import ep_dispatcher._C  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the build
+    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
+
+from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
+
+WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
+NUM_NVL_BYTES = 512 << 20  # >= Config.get_nvl_buffer_size_hint(7168 * 2, 8), which the Buffer checks
+NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200 even without the MPS thread limit
+
+
+def _set_device(rank: int) -> torch.device:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _buffers(world: int):
+    cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="cuda", timeout_s=60)
+    ref = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="reference")
+    assert "dispatch" in cuda.engine_calls
+    return cuda, ref
+
+
+def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> None:
+    inputs = [rc.rank_inputs(case, r) for r in range(case.num_ranks)]
+    x, topk_idx, topk_weights = (t.to(device) for t in inputs[me])
+    config = Config(NUM_SMS)
+    # The engine allocates its outputs from torch's pool: fill freed blocks with garbage so that an output row the
+    # kernels forgot to write cannot pass by holding stale correct data.
+    junk = torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=device)
+    del junk
+
+    layout_c = cuda.get_dispatch_layout(topk_idx, case.num_experts)
+    layout_r = ref.get_dispatch_layout(topk_idx, case.num_experts)
+    for a, b in zip(layout_c[:4], layout_r[:4]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    per_rank, _, per_expert, in_rank, _ = layout_c
+    alignment = 1 + case.seed % 3
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment, config=config)
+    out_c = cuda.dispatch(x, **kwargs)
+    out_r = ref.dispatch(x, **kwargs)
+    for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
+        assert torch.equal(a, b), name
+    assert out_c[3] == out_r[3], "num_recv_tokens_per_expert_list"
+    hc, hr = out_c[4], out_r[4]
+    assert torch.equal(hc.rank_prefix_matrix, hr.rank_prefix_matrix)
+    assert torch.equal(hc.recv_src_idx, hr.recv_src_idx)
+    assert torch.equal(hc.num_recv_tokens_per_expert, hr.num_recv_tokens_per_expert)
+    assert hc.num_recv_tokens == hr.num_recv_tokens
+
+    # Combine: bias pair and weights, bit-exact (same fp32 order).
+    g = torch.Generator().manual_seed(case.seed + 5)
+    biases = tuple(torch.randn((x.size(0), case.hidden), generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+    y = rc.expert_fn(me, out_c[0])
+    comb_c = cuda.combine(y, hc, topk_weights=out_c[2], bias=biases, config=config)
+    comb_r = ref.combine(y, hr, topk_weights=out_r[2], bias=biases)
+    assert torch.equal(comb_c[0], comb_r[0]), "combined_x"
+    assert torch.equal(comb_c[1], comb_r[1]), "combined_topk_weights"
+    comb_c = cuda.combine(y, hc, config=config)
+    assert torch.equal(comb_c[0], ref.combine(y, hr)[0]), "combined_x without bias"
+
+    # Cached dispatch reproduces the layout for other data; fp32 combine too.
+    x2 = (x.float() * 3 - 1).to(torch.bfloat16)
+    assert torch.equal(cuda.dispatch(x2, handle=hc, config=config)[0], ref.dispatch(x2, handle=hr)[0])
+    y32 = out_c[0].float() * 0.5
+    assert torch.equal(cuda.combine(y32, hc, config=config)[0], ref.combine(y32, hr)[0]), "fp32 combine"
+
+    # FP8 payloads.
+    if case.hidden % 128 == 0:
+        x8 = per_token_cast_to_fp8(x)
+        (d_c, s_c), *_ = cuda.dispatch(x8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, config=config)
+        (d_r, s_r), *_ = ref.dispatch(x8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+        assert torch.equal(d_c.view(torch.uint8), d_r.view(torch.uint8)) and torch.equal(s_c, s_r), "fp8"
+
+    # num_worst_tokens: no host sync; valid rows equal, padding rows marked.
+    worst = sum(case.tokens_per_rank) + 5
+    wc = cuda.dispatch(x, num_worst_tokens=worst, **kwargs)
+    n = hr.num_recv_tokens
+    assert wc[0].size(0) == worst and wc[3] == [] and wc[4].num_recv_tokens == -1
+    assert torch.equal(wc[0][:n], out_r[0]) and torch.equal(wc[1][:n], out_r[1]) and torch.equal(wc[2][:n], out_r[2])
+    assert bool((wc[1][n:] == -1).all()) and bool((wc[2][n:] == 0).all()) and bool((wc[4].recv_src_idx[n:] == -1).all())
+    yw = rc.expert_fn(me, wc[0])
+    expected = ref.combine(rc.expert_fn(me, out_r[0]), hr, bias=biases)[0]
+    assert torch.equal(cuda.combine(yw, wc[4], bias=biases, config=config)[0], expected), "worst-mode combine"
+
+
+def _compare_worker(rank: int, world: int, seeds) -> int:
+    device = _set_device(rank)
+    cuda, ref = _buffers(world)
+    for seed in seeds:
+        case = rc.random_case(seed, world, hidden_choices=(2048, 4096, 7168, 1024 + 8))
+        try:
+            _compare_case(cuda, ref, case, rank, device)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank} {case}: {e}") from e
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return len(seeds)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_intranode_matches_reference(world: int) -> None:
+    seeds = [9000 + world * 10 + i for i in range(4)]
+    assert run(_compare_worker, world, seeds) == [len(seeds)] * world
+
+
+def _graph_and_stress_worker(rank: int, world: int, iterations: int) -> str:
+    """CUDA-graph replay of a worst-case dispatch + combine with new inputs; then a stress loop with changing routings."""
+    device = _set_device(rank)
+    cuda, _ = _buffers(world)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 256, 2048, 8 * world, 4
+    worst = num_tokens * world
+    x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    topk_idx = torch.empty((num_tokens, topk), dtype=torch.int64, device=device)
+    topk_weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=device)
+
+    def fill(seed: int):
+        g = torch.Generator(device="cpu").manual_seed(seed * 100 + rank)
+        x.copy_(torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16))
+        topk_idx.copy_(torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk])
+        topk_idx.masked_fill_(torch.rand((num_tokens, topk), generator=g).to(device) < 0.1, -1)
+        topk_weights.copy_(torch.rand((num_tokens, topk), generator=g))
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = cuda.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                        num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                        topk_weights=topk_weights, num_worst_tokens=worst, config=config)
+        out, _, _ = cuda.combine(recv_x, handle, config=config)
+        return out, in_rank
+
+    fill(0)
+    cuda.validate_inputs = False  # no host reads inside the graph
+    step()  # warm-up outside capture (allocations, comm stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, in_rank_g = step()
+    digest = hashlib.sha256()
+    for it in range(iterations):
+        fill(it + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        # combine(dispatch(x)) with identity experts = x times the number of ranks the token went to (exact in bf16).
+        expected = (x.float() * in_rank_g.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        if not torch.equal(out_g, expected):
+            raise AssertionError(f"rank {rank}: graph replay {it} differs from the expected sum")
+        eager, _ = step()
+        if not torch.equal(eager, out_g):
+            raise AssertionError(f"rank {rank}: eager step {it} differs from the graph replay")
+        digest.update(out_g.view(torch.uint8).cpu().numpy().tobytes())
+    cuda.destroy()
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_intranode_graph_replay_and_stress(world: int) -> None:
+    iterations = int(os.environ.get("EP_GPU_STRESS_ITERATIONS", "50"))
+    first = run(_graph_and_stress_worker, world, iterations)
+    second = run(_graph_and_stress_worker, world, iterations)
+    assert first == second, "same inputs, different results across runs: a race"

@@ -1,0 +1,303 @@
+"""ep_dispatcher._C.get_dispatch_layout against an independent pure-torch reference (bit-exact).
+
+The reference below is written here on purpose (scatter based, checked against a plain Python loop), so that this
+test does not share code, or mistakes, with ep_dispatcher/backends/reference.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+# find_spec imports the ep_dispatcher package itself, so a broken package fails here instead of being skipped;
+# only a missing extension is a reason to skip.
+if importlib.util.find_spec("ep_dispatcher._C") is None:
+    pytest.skip(
+        "ep_dispatcher._C is not built (pip install -e . --no-build-isolation with nvcc and a CUDA torch)",
+        allow_module_level=True,
+    )
+
+from ep_dispatcher import _C
+
+NUM_RANKS_PER_NODE = 8  # one NVLink domain of 8 GPUs: 16 and 32 ranks produce a per-node (RDMA) output
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------------
+def reference_layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Scatter-based layout on the CPU. topk_idx: [num_tokens, num_topk] int64, -1 = no expert."""
+    topk_idx = topk_idx.cpu()
+    num_tokens, num_topk = topk_idx.shape
+    num_local_experts = num_experts // num_ranks
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    experts = topk_idx[valid]
+    token_of_entry = torch.arange(num_tokens).unsqueeze(1).expand(num_tokens, num_topk)[valid]
+
+    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64)
+    num_tokens_per_expert.scatter_add_(0, experts, torch.ones_like(experts))
+
+    # Setting a flag twice is idempotent, which is exactly the per-token deduplication the kernel must do.
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool)
+    is_token_in_rank[token_of_entry, experts // num_local_experts] = True
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0)
+
+    num_tokens_per_rdma_rank = None
+    if num_ranks > num_ranks_per_node:
+        num_nodes = num_ranks // num_ranks_per_node
+        is_token_in_node = is_token_in_rank.view(num_tokens, num_nodes, num_ranks_per_node).any(dim=2)
+        num_tokens_per_rdma_rank = is_token_in_node.sum(dim=0).int()
+    return num_tokens_per_rank.int(), num_tokens_per_rdma_rank, num_tokens_per_expert.int(), is_token_in_rank
+
+
+def loop_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int):
+    """The definition, one token at a time; only for checking reference_layout on small inputs."""
+    num_local_experts = num_experts // num_ranks
+    per_rank, per_expert = [0] * num_ranks, [0] * num_experts
+    spans_nodes = num_ranks > num_ranks_per_node
+    per_node = [0] * (num_ranks // num_ranks_per_node if spans_nodes else 0)
+    in_rank = []
+    for row in topk_idx.tolist():
+        ranks = {e // num_local_experts for e in row if 0 <= e < num_experts}
+        for e in row:
+            if 0 <= e < num_experts:
+                per_expert[e] += 1
+        for r in ranks:
+            per_rank[r] += 1
+        for n in {r // num_ranks_per_node for r in ranks} if spans_nodes else ():
+            per_node[n] += 1
+        in_rank.append([r in ranks for r in range(num_ranks)])
+    rdma = torch.tensor(per_node, dtype=torch.int32) if spans_nodes else None
+    is_token_in_rank = torch.tensor(in_rank, dtype=torch.bool).reshape(len(in_rank), num_ranks)
+    return (
+        torch.tensor(per_rank, dtype=torch.int32),
+        rdma,
+        torch.tensor(per_expert, dtype=torch.int32),
+        is_token_in_rank,
+    )
+
+
+def make_topk_idx(
+    num_tokens: int,
+    num_topk: int,
+    num_experts: int,
+    num_ranks: int,
+    seed: int,
+    invalid_fraction: float = 0.2,
+    device: str = "cuda",
+) -> torch.Tensor:
+    """Distinct experts per token, skewed: a quarter of the tokens favour one rank (all their experts on it when it has
+    enough), a few experts are popular overall, and ~invalid_fraction of the entries are -1."""
+    generator = torch.Generator().manual_seed(seed)
+    num_local_experts = num_experts // num_ranks
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    hot_experts = torch.arange(num_experts) < max(1, num_experts // 16)
+    scores += 0.3 * hot_experts.float()
+    favours_one_rank = torch.rand(num_tokens, generator=generator) < 0.25
+    favoured_rank = torch.randint(0, num_ranks, (num_tokens,), generator=generator)
+    on_favoured_rank = (torch.arange(num_experts) // num_local_experts).unsqueeze(0) == favoured_rank.unsqueeze(1)
+    scores += 2.0 * (on_favoured_rank & favours_one_rank.unsqueeze(1)).float()
+    # Sorting random scores samples without replacement, so a token never repeats an expert.
+    topk_idx = scores.argsort(dim=1, descending=True)[:, :num_topk].contiguous()
+    topk_idx[torch.rand(num_tokens, num_topk, generator=generator) < invalid_fraction] = -1
+    return topk_idx.to(device)
+
+
+def assert_layout_equal(actual, expected, num_tokens: int, num_ranks: int, num_experts: int) -> None:
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank = actual
+    ref_per_rank, ref_per_rdma_rank, ref_per_expert, ref_in_rank = expected
+    assert num_tokens_per_rank.dtype == torch.int32 and num_tokens_per_rank.shape == (num_ranks,)
+    assert num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_expert.shape == (num_experts,)
+    assert is_token_in_rank.dtype == torch.bool and is_token_in_rank.shape == (num_tokens, num_ranks)
+    for tensor in (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank):
+        assert tensor.is_cuda and tensor.is_contiguous()
+    # Integer counts and flags: the semantics are deterministic, so equality is exact (no tolerance).
+    assert torch.equal(num_tokens_per_rank.cpu(), ref_per_rank)
+    assert torch.equal(num_tokens_per_expert.cpu(), ref_per_expert)
+    assert torch.equal(is_token_in_rank.cpu(), ref_in_rank)
+    if ref_per_rdma_rank is None:
+        assert num_tokens_per_rdma_rank is None
+    else:
+        assert num_tokens_per_rdma_rank is not None
+        assert num_tokens_per_rdma_rank.dtype == torch.int32 and num_tokens_per_rdma_rank.is_cuda
+        assert torch.equal(num_tokens_per_rdma_rank.cpu(), ref_per_rdma_rank)
+
+
+# (num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, invalid_fraction); the seed is the case index.
+CASES = [
+    (0, 4, 64, 8, NUM_RANKS_PER_NODE, 0.2),
+    (0, 8, 256, 16, NUM_RANKS_PER_NODE, 0.2),
+    (1, 1, 8, 1, NUM_RANKS_PER_NODE, 0.0),
+    (1, 9, 64, 16, NUM_RANKS_PER_NODE, 0.2),
+    (1, 9, 1024, 32, NUM_RANKS_PER_NODE, 0.0),
+    (7, 3, 8, 2, NUM_RANKS_PER_NODE, 0.2),
+    (7, 8, 8, 4, NUM_RANKS_PER_NODE, 0.2),  # every expert chosen by every token (before the -1s)
+    (7, 5, 64, 32, NUM_RANKS_PER_NODE, 0.2),
+    (300, 1, 8, 8, NUM_RANKS_PER_NODE, 0.2),
+    (300, 2, 64, 4, NUM_RANKS_PER_NODE, 0.2),
+    (300, 6, 256, 32, NUM_RANKS_PER_NODE, 0.2),
+    (300, 9, 1024, 16, NUM_RANKS_PER_NODE, 0.2),
+    (300, 4, 64, 1, NUM_RANKS_PER_NODE, 0.2),
+    (300, 8, 64, 8, NUM_RANKS_PER_NODE, 1.0),  # all -1: zero counts, all-false rows
+    (4096, 8, 256, 8, NUM_RANKS_PER_NODE, 0.0),  # the design's prefill shape
+    (4096, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 8, 256, 16, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 9, 1024, 32, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 7, 1024, 2, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 1, 8, 8, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 5, 64, 32, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 3, 8, 1, NUM_RANKS_PER_NODE, 0.2),
+    (4096, 8, 256, 8, 4, 0.2),  # two nodes of four ranks
+    (4096, 6, 64, 16, 2, 0.2),  # eight nodes of two ranks
+    # Beyond the shared-memory counters (48 KiB, ~12k counters): the global-atomics path of the kernel.
+    (4096, 8, 16384, 16, NUM_RANKS_PER_NODE, 0.2),
+    (300, 9, 32768, 32, NUM_RANKS_PER_NODE, 0.2),
+]
+
+
+def _case_id(case) -> str:
+    num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, invalid = case
+    return f"N{num_tokens}-k{num_topk}-E{num_experts}-R{num_ranks}-P{num_ranks_per_node}-inv{invalid}"
+
+
+def test_reference_matches_loop_definition():
+    for seed, (num_tokens, num_topk, num_experts, num_ranks) in enumerate(
+        [(0, 3, 8, 2), (1, 2, 8, 8), (9, 3, 16, 16), (33, 5, 64, 32), (50, 8, 8, 4)]
+    ):
+        topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed, device="cpu")
+        for actual, expected in zip(
+            reference_layout(topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE),
+            loop_layout(topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE),
+        ):
+            assert (actual is None) == (expected is None)
+            if actual is not None:
+                assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("case_index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_layout_matches_reference(case_index: int):
+    num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, invalid = CASES[case_index]
+    topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=case_index, invalid_fraction=invalid)
+    actual = _C.get_dispatch_layout(topk_idx, num_experts, num_ranks, num_ranks_per_node)
+    expected = reference_layout(topk_idx, num_experts, num_ranks, num_ranks_per_node)
+    assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
+
+
+def test_out_of_range_expert_ids_are_ignored():
+    # Documented choice: ids outside [0, num_experts) are skipped like -1 (the host cannot check them without a sync).
+    topk_idx = make_topk_idx(300, 6, 64, 8, seed=101)
+    topk_idx[::7, 0] = 64
+    topk_idx[::5, 1] = -3
+    actual = _C.get_dispatch_layout(topk_idx, 64, 8, NUM_RANKS_PER_NODE)
+    assert_layout_equal(actual, reference_layout(topk_idx, 64, 8, NUM_RANKS_PER_NODE), 300, 8, 64)
+
+
+def _poison_allocator(num_bytes: int, count: int) -> None:
+    """Leaves freed blocks full of non-zero bytes in the caching allocator, for the next allocations to reuse."""
+    blocks = [torch.full((num_bytes,), 0x5A, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_topk,num_experts,num_ranks", [(4096, 8, 256, 16), (300, 9, 1024, 32), (7, 3, 8, 2)]
+)
+def test_outputs_do_not_depend_on_stale_memory(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int):
+    # Run 1 leaves its outputs (other counts, other flags) in the allocator; run 2's outputs are likely the same blocks.
+    first = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=201, invalid_fraction=0.0)
+    outputs = _C.get_dispatch_layout(first, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+    torch.cuda.synchronize()
+    del outputs
+    second = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=202, invalid_fraction=0.5)
+    actual = _C.get_dispatch_layout(second, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+    expected = reference_layout(second, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+    assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
+    del actual
+
+    # Blocks explicitly filled with 0x5A (counts 0x5A5A5A5A, flags "true" in every byte).
+    for num_bytes in (num_tokens * num_ranks, 4 * num_experts, 4 * num_ranks):
+        _poison_allocator(max(num_bytes, 1), count=4)
+    actual = _C.get_dispatch_layout(second, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+    assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
+
+
+def test_runs_on_the_current_stream():
+    topk_idx = make_topk_idx(4096, 8, 256, 16, seed=301)
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        actual = _C.get_dispatch_layout(topk_idx, 256, 16, NUM_RANKS_PER_NODE)
+    side_stream.synchronize()
+    assert_layout_equal(actual, reference_layout(topk_idx, 256, 16, NUM_RANKS_PER_NODE), 4096, 16, 256)
+
+
+def test_cuda_graph_capture_and_replay():
+    num_tokens, num_topk, num_experts, num_ranks = 4096, 8, 256, 16
+    static_topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=401)
+    side_stream = torch.cuda.Stream()
+    # Warm up on the capture stream first, as torch recommends (lazy initialisation must not happen in capture).
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        _C.get_dispatch_layout(static_topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+    torch.cuda.current_stream().wait_stream(side_stream)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side_stream):
+        captured = _C.get_dispatch_layout(static_topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+
+    for seed in (402, 403):
+        new_topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=seed)
+        static_topk_idx.copy_(new_topk_idx)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _C.get_dispatch_layout(new_topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+        for replayed, direct in zip(captured, eager):
+            assert torch.equal(replayed, direct)
+        expected = reference_layout(new_topk_idx, num_experts, num_ranks, NUM_RANKS_PER_NODE)
+        assert_layout_equal(captured, expected, num_tokens, num_ranks, num_experts)
+
+
+def _good_topk_idx() -> torch.Tensor:
+    return make_topk_idx(16, 4, 64, 8, seed=501)
+
+
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda: (_good_topk_idx().int(), 64, 8, 8), r"topk_idx must have dtype torch\.int64"),
+        (lambda: (_good_topk_idx().t().contiguous().t(), 64, 8, 8), r"topk_idx must be contiguous"),
+        (lambda: (_good_topk_idx().flatten(), 64, 8, 8), r"topk_idx must be 2-D"),
+        (lambda: (_good_topk_idx().unsqueeze(0), 64, 8, 8), r"topk_idx must be 2-D"),
+        (lambda: (_good_topk_idx().cpu(), 64, 8, 8), r"topk_idx must be a CUDA tensor"),
+        (lambda: (_good_topk_idx(), 60, 8, 8), r"num_experts must be a multiple of num_ranks=8, got 60"),
+        (lambda: (_good_topk_idx(), 0, 8, 8), r"num_experts must be in \[1, 2\^31\), got 0"),
+        (lambda: (_good_topk_idx(), 64, 0, 8), r"num_ranks must be in \[1, 2\^31\), got 0"),
+        (lambda: (_good_topk_idx(), 96, 12, 8), r"num_ranks must be a multiple of num_ranks_per_node=8"),
+        (lambda: (_good_topk_idx(), 64, 8, 0), r"num_ranks_per_node must be positive, got 0"),
+    ],
+    ids=[
+        "dtype",
+        "non-contiguous",
+        "1-D",
+        "3-D",
+        "cpu",
+        "experts-not-multiple",
+        "no-experts",
+        "no-ranks",
+        "ranks-not-multiple-of-node",
+        "no-ranks-per-node",
+    ],
+)
+def test_bad_inputs_raise(make_args, message: str):
+    with pytest.raises(ValueError, match=message) as error:
+        _C.get_dispatch_layout(*make_args())
+    assert str(error.value).startswith("get_dispatch_layout: ")
