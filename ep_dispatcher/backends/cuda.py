@@ -84,7 +84,7 @@ class CudaBackend(ReferenceBackend):
             rows_out = num_worst_tokens
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = _C.intranode_dispatch(
             self.ipc, x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, is_token_in_rank,
-            send_pos, count_matrix, rows_out, num_sms, self.timeout_ns)
+            send_pos, count_matrix, rows_out, num_sms, self.timeout_ns, False)
         handle = DispatchHandle(
             buffer_id=buffer_id, num_ranks=self.num_ranks,
             rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32), recv_src_idx=recv_src_idx,
@@ -107,7 +107,7 @@ class CudaBackend(ReferenceBackend):
         num_sms = config.num_sms if config is not None else 20
         recv_x, recv_scales, _, _, _ = _C.intranode_dispatch(
             self.ipc, x, x_scales, None, None, 1, handle.is_token_in_rank, state["send_pos"], state["count_matrix"],
-            handle.num_recv_rows, num_sms, self.timeout_ns)
+            handle.num_recv_rows, num_sms, self.timeout_ns, True)
         return recv_x, recv_scales
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
