@@ -1,0 +1,158 @@
+"""Train a tiny GPT-MoE (megatron.core GPTModel) for a few steps with moe_token_dispatcher_type="deepep"
+(ep_dispatcher) and again with Megatron's "allgather" dispatcher, from the same weights and data; print both
+losses per step and the largest difference.
+
+    python examples/megatron_pretrain_moe.py                    # 2 ranks; gloo on CPU, NCCL with one GPU per rank
+    python examples/megatron_pretrain_moe.py --ranks 4 --steps 10 --hidden 128 --experts 16 --topk 4
+
+Expert parallelism spans all ranks (EP = --ranks, TP = 1); the dense weights are data-parallel over the same ranks.
+Exits with status 1 if the two runs differ by more than --tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from ep_dispatcher.launch import spawn
+
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # fp32: summation order only; bf16: rounding of the 2-way sums
+
+
+def _build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = args.dtype == "bf16"
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=2 * args.hidden,
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.hidden,
+        moe_token_dispatcher_type=dispatcher_type, expert_model_parallel_size=args.ranks, moe_aux_loss_coeff=1e-2,
+        moe_router_dtype="fp32", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True)
+    torch.manual_seed(args.seed)  # same dense weights on every rank and for both dispatchers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False),
+                         vocab_size=args.vocab, max_sequence_length=args.seq)
+    # Experts differ between EP ranks (each rank holds different experts): re-draw them from a per-rank seed.
+    generator = torch.Generator().manual_seed(args.seed + 1000 + ep_rank)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if not getattr(param, "allreduce", True):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model = model.to(device)
+    return model.bfloat16() if bf16 else model
+
+
+def _sync_grads(model) -> None:
+    """Average gradients like Megatron's DDP: dense weights over the data-parallel group, experts over the
+    expert-data-parallel group (size world / EP)."""
+    from megatron.core import parallel_state
+
+    dense_group = parallel_state.get_data_parallel_group()
+    expert_group = parallel_state.get_expert_data_parallel_group()
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        group = dense_group if getattr(param, "allreduce", True) else expert_group
+        size = dist.get_world_size(group)
+        if size > 1:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(size)
+
+
+def _train(args, dispatcher_type: str, rank: int, device: torch.device) -> list[float]:
+    from megatron.core import parallel_state
+
+    model = _build_model(args, dispatcher_type, parallel_state.get_expert_model_parallel_rank(), device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    position_ids = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
+    attention_mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, device=device, dtype=torch.bool), diagonal=1)
+    losses = []
+    for step in range(args.steps):
+        generator = torch.Generator().manual_seed(args.seed * 7919 + step * 131 + rank)  # each rank its own data
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
+        input_ids, labels = tokens[:, :-1], tokens[:, 1:]
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids, position_ids, attention_mask, labels=labels).float().mean()
+        loss.backward()
+        _sync_grads(model)
+        optimizer.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(float(global_loss) / dist.get_world_size())
+    return losses
+
+
+def _worker(rank: int, world: int, args) -> dict:
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import ep_dispatcher.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
+    from ep_dispatcher.megatron import cpu_shim
+
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if not on_gpu:
+        cpu_shim.enable()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    if on_gpu:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    results = {name: _train(args, name, rank, device) for name in ("deepep", "allgather")}
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="ranks = expert-parallel size")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--tolerance", type=float, default=None, help="max |loss difference| accepted")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="process-group backend; auto = nccl when there is one GPU per rank, else gloo")
+    args = parser.parse_args(argv)
+    if args.experts % args.ranks != 0:
+        parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+
+    results = spawn(_worker, args.ranks, args, backend=backend)[0]
+    deepep, allgather = results["deepep"], results["allgather"]
+    print(f"GPT-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk}, "
+          f"EP={args.ranks} ({backend}), {args.dtype}")
+    print(f"{'step':>4}  {'loss deepep':>14}  {'loss allgather':>14}  {'|diff|':>10}")
+    for step, (a, b) in enumerate(zip(deepep, allgather)):
+        print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.3e}")
+    max_diff = max(abs(a - b) for a, b in zip(deepep, allgather))
+    ok = max_diff <= tolerance
+    print(f"max |loss difference| = {max_diff:.3e} (tolerance {tolerance:.1e}): {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
