@@ -28,7 +28,7 @@ stop_mps
 if [ "${1:-}" != "quick" ]; then
     start_mps
     python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 --out "$OUT/bench_intranode_16sms.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$"
-    python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_intranode_8sms.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
+    [ "${EP_BENCH_8SMS:-1}" = 1 ] && python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_intranode_8sms.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
     stop_mps
 fi
 exit $rc
