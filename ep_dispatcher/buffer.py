@@ -114,7 +114,7 @@ class Buffer:
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self._destroyed = False
         self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
-        self._ll_pending_hooks = 0
+        self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -432,20 +432,28 @@ class Buffer:
                              f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
                              f"with num_rdma_bytes={self.num_rdma_bytes}")
 
+    @property
+    def num_pending_low_latency_hooks(self) -> int:
+        """Low-latency calls whose hook has not run yet (at most ``NUM_LOW_LATENCY_BUFFERS``)."""
+        return sum(self._ll_half_pending)
+
     def _take_low_latency_half(self) -> int:
-        if self._ll_pending_hooks >= NUM_LOW_LATENCY_BUFFERS:
-            raise RuntimeError(f"low-latency call: {self._ll_pending_hooks} earlier calls still wait for their hook; "
-                               f"only {NUM_LOW_LATENCY_BUFFERS} can be in flight (the buffer is double-buffered): "
-                               "call a pending hook first")
+        # Halves are handed out in turn, so the half a new call gets is the one of the call two before it: if that
+        # call's hook has not run, its unread data would be overwritten (also when a newer hook already ran).
         half = self._ll_half
+        if self._ll_half_pending[half]:
+            raise RuntimeError(f"low-latency call: buffer half {half} still holds an earlier call whose hook has not run "
+                               f"({self.num_pending_low_latency_hooks} pending); only {NUM_LOW_LATENCY_BUFFERS} calls can "
+                               "be in flight (the buffer is double-buffered) and they complete oldest first: call the "
+                               "oldest pending hook first")
         self._ll_half = (half + 1) % NUM_LOW_LATENCY_BUFFERS
         return half
 
-    def _make_hook(self, receive: Callable[[], None], return_recv_hook: bool):
+    def _make_hook(self, receive: Callable[[], None], return_recv_hook: bool, half: int):
         if not return_recv_hook:
             receive()
             return None
-        self._ll_pending_hooks += 1
+        self._ll_half_pending[half] = True
         state = {"called": False}
 
         def hook() -> None:
@@ -453,7 +461,7 @@ class Buffer:
             if state["called"]:
                 raise RuntimeError("hook: already called; each low-latency hook runs its receive phase exactly once")
             state["called"] = True
-            self._ll_pending_hooks -= 1
+            self._ll_half_pending[half] = False
             receive()
 
         return hook
@@ -499,7 +507,7 @@ class Buffer:
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtypes=torch.int32,
                          shape=(num_local_experts,), device=x.device)
-        self._take_low_latency_half()
+        half = self._take_low_latency_half()
 
         num_slots = self.group_size * num_max_dispatch_tokens_per_rank
         device = x.device
@@ -521,7 +529,7 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
-        hook = self._make_hook(finish, return_recv_hook)
+        hook = self._make_hook(finish, return_recv_hook, half)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count_out, handle, event, hook
@@ -568,9 +576,9 @@ class Buffer:
             check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
         else:
             out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
-        self._take_low_latency_half()
+        half = self._take_low_latency_half()
         receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle)
-        hook = self._make_hook(lambda: receive(out), return_recv_hook)
+        hook = self._make_hook(lambda: receive(out), return_recv_hook, half)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook
 

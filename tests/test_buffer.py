@@ -276,10 +276,14 @@ def test_low_latency_hooks_are_bounded_and_single_use(group):
     x, topk_idx, topk_weights = _routing()
     _, _, _, _, hook_a = buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
     _, _, _, _, hook_b = buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
-    with pytest.raises(RuntimeError, match=r"2 earlier calls still wait for their hook; only 2 can be in flight"):
+    assert buf.num_pending_low_latency_hooks == 2
+    with pytest.raises(RuntimeError, match=r"buffer half 0 still holds an earlier call whose hook has not run \(2 pending\)"):
         buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
-    hook_b()  # hooks may run out of order: each owns its own buffer half
+    hook_b()  # a newer hook may run first, but the oldest call still holds the half the next call needs
+    with pytest.raises(RuntimeError, match=r"buffer half 0 still holds an earlier call .*\(1 pending\).*oldest pending hook"):
+        buf.low_latency_dispatch(x, topk_idx, T, E)
     hook_a()
+    assert buf.num_pending_low_latency_hooks == 0
     with pytest.raises(RuntimeError, match="hook: already called"):
         hook_a()
     buf.low_latency_dispatch(x, topk_idx, T, E)  # room again

@@ -74,7 +74,10 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ collectives
     def _comm_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu") if self._stage_on_host else device
+        """Where a tensor must live for this group's collectives: host for gloo, a GPU for NCCL."""
+        if self._stage_on_host:
+            return torch.device("cpu")
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
     def _all_to_all_rows(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
         """Exchange ``[sum(send_counts), row_bytes]`` uint8 rows; returns ``[sum(recv_counts), row_bytes]``."""

@@ -26,7 +26,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 
 WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
-NUM_NVL_BYTES = 512 << 20  # >= Config.get_nvl_buffer_size_hint(7168 * 2, 8), which the Buffer checks
+NUM_NVL_BYTES = 1 << 30  # >= Config.get_nvl_buffer_size_hint(7168 * 4, 8) (fp32 combine), which the Buffer checks
 NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200 even without the MPS thread limit
 
 
