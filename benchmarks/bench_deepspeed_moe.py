@@ -94,8 +94,9 @@ def main(argv=None) -> Dict:
 
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(args.hidden, args.ffn), nn.GELU(), nn.Linear(args.ffn, args.hidden))
-    theirs = MoE(args.hidden, expert, num_experts=args.experts, ep_size=1, k=args.topk, min_capacity=0,
-                 drop_tokens=False)
+    theirs = MoE(
+        args.hidden, expert, num_experts=args.experts, ep_size=1, k=args.topk, min_capacity=0, drop_tokens=False
+    )
     ours = copy.deepcopy(theirs)  # same weights; deep-copied before the groups exist (a group cannot be copied)
     ours_local = copy.deepcopy(theirs)
     ep_ds.patch(ours)
@@ -119,6 +120,7 @@ def main(argv=None) -> Dict:
             out, l_aux, _ = layer(xin)
             ((out * grad).sum() + l_aux).backward()
             return out
+
         return step
 
     with torch.no_grad():
@@ -129,22 +131,36 @@ def main(argv=None) -> Dict:
     results = {}
     for name, layer in layers.items():
         times = _timed_steps(make_step(layer), args.warmup, args.iters, on_gpu)
-        results[name] = {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
-                         "max_abs_diff_vs_deepspeed": float((outputs[name] - outputs["deepspeed"]).abs().max())}
+        results[name] = {
+            "median_ms": statistics.median(times) * 1e3,
+            "min_ms": min(times) * 1e3,
+            "max_abs_diff_vs_deepspeed": float((outputs[name] - outputs["deepspeed"]).abs().max()),
+        }
         if on_gpu:
             torch.cuda.empty_cache()
 
     base = results["deepspeed"]["median_ms"]
     dev_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    print(f"DeepSpeed-MoE layer fwd+bwd, EP=1, {dev_name}, {dtype}: {args.tokens} tokens, hidden {args.hidden}, "
-          f"ffn {args.ffn}, {args.experts} experts, top-{args.topk}, no drops")
+    print(
+        f"DeepSpeed-MoE layer fwd+bwd, EP=1, {dev_name}, {dtype}: {args.tokens} tokens, hidden {args.hidden}, "
+        f"ffn {args.ffn}, {args.experts} experts, top-{args.topk}, no drops"
+    )
     print(f"{'variant':<22} {'median ms':>10} {'min ms':>10} {'speed-up':>9} {'max |out diff|':>15}")
     for name, r in results.items():
-        print(f"{name:<22} {r['median_ms']:>10.3f} {r['min_ms']:>10.3f} {base / r['median_ms']:>8.2f}x "
-              f"{r['max_abs_diff_vs_deepspeed']:>15.2e}")
-    report = {"date": datetime.date.today().isoformat(), "device": dev_name, "dtype": str(dtype),
-              "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
-              "command": " ".join(sys.argv), "config": vars(args), "results": results}
+        print(
+            f"{name:<22} {r['median_ms']:>10.3f} {r['min_ms']:>10.3f} {base / r['median_ms']:>8.2f}x "
+            f"{r['max_abs_diff_vs_deepspeed']:>15.2e}"
+        )
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "device": dev_name,
+        "dtype": str(dtype),
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "command": " ".join(sys.argv),
+        "config": vars(args),
+        "results": results,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -29,7 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 from ep_dispatcher.launch import spawn  # noqa: E402
 
-STAGING_REFERENCE_GBPS = {"dispatch": 935.0, "combine": 1090.0}  # DESIGN.md 6: best-known staging design, 8 ranks, 16 SMs
+STAGING_REFERENCE_GBPS = {
+    "dispatch": 935.0,
+    "combine": 1090.0,
+}  # DESIGN.md 6: best-known staging design, 8 ranks, 16 SMs
 
 
 def _time_calls(fn: Callable[[], object], calls: int, groups: int) -> float:
@@ -82,7 +85,7 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
     dist.barrier()
     max_tokens = max(args.sweep)
-    # Room for the worst case: every rank's tokens arrive here (dispatch), every token goes to min(R, k) ranks (combine).
+    # Room for the worst case: every rank's tokens arrive here (dispatch), each token goes to min(R, k) ranks (combine).
     dispatch_rows = max_tokens * world * (args.hidden + args.hidden // 128 * 4 + args.topk * 12 + 4)
     combine_rows = max_tokens * min(world, args.topk) * (args.hidden * 2 + args.topk * 4)
     num_nvl_bytes = max(dispatch_rows, combine_rows) + (16 << 20)
@@ -94,8 +97,14 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         x_fp8 = per_token_cast_to_fp8(x)
         layout = buffer.get_dispatch_layout(topk_idx, args.experts)
         per_rank, _, per_expert, in_rank, _ = layout
-        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+        kwargs = dict(
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            config=config,
+        )
         recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
         num_recv = recv[0].size(0)
         local_rows = int(in_rank[:, rank].sum())
@@ -104,18 +113,36 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         times = {
             "layout": _time_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), args.calls, args.groups),
             "dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, **kwargs), args.calls, args.groups),
-            "dispatch_fp8_worst": _time_calls(lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs), args.calls, args.groups),
+            "dispatch_fp8_worst": _time_calls(
+                lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs), args.calls, args.groups
+            ),
             "dispatch_bf16": _time_calls(lambda: buffer.dispatch(x, **kwargs), args.calls, args.groups),
-            "cached_dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, handle=handle, config=config), args.calls, args.groups),
+            "cached_dispatch_fp8": _time_calls(
+                lambda: buffer.dispatch(x_fp8, handle=handle, config=config), args.calls, args.groups
+            ),
             "combine_bf16": _time_calls(lambda: buffer.combine(y, handle, config=config), args.calls, args.groups),
         }
         fp8_row, bf16_row = args.hidden + args.hidden // 128 * 4, args.hidden * 2
-        results.append({"tokens": tokens, "num_recv": num_recv, "local_rows": local_rows, "times": times,
-                        "bytes": {"dispatch_fp8": num_recv * fp8_row, "dispatch_fp8_worst": num_recv * fp8_row,
-                                  "cached_dispatch_fp8": num_recv * fp8_row, "dispatch_bf16": num_recv * bf16_row,
-                                  "combine_bf16": num_recv * bf16_row, "layout": 0},
-                        "wire_bytes": {"dispatch_fp8": (num_recv - local_rows) * fp8_row,
-                                       "combine_bf16": (num_recv - local_rows) * bf16_row}})
+        results.append(
+            {
+                "tokens": tokens,
+                "num_recv": num_recv,
+                "local_rows": local_rows,
+                "times": times,
+                "bytes": {
+                    "dispatch_fp8": num_recv * fp8_row,
+                    "dispatch_fp8_worst": num_recv * fp8_row,
+                    "cached_dispatch_fp8": num_recv * fp8_row,
+                    "dispatch_bf16": num_recv * bf16_row,
+                    "combine_bf16": num_recv * bf16_row,
+                    "layout": 0,
+                },
+                "wire_bytes": {
+                    "dispatch_fp8": (num_recv - local_rows) * fp8_row,
+                    "combine_bf16": (num_recv - local_rows) * bf16_row,
+                },
+            }
+        )
     buffer.destroy()
     return {"rank": rank, "copy_gbps": copy_gbps, "results": results}
 
@@ -135,24 +162,44 @@ def main(argv=None) -> int:
     per_rank = spawn(_rank_main, args.ranks, args)
     copy_gbps = per_rank[0]["copy_gbps"]
     gpus = torch.cuda.device_count()
-    print(f"intranode: {args.ranks} ranks on {min(gpus, args.ranks)} GPU(s) ({torch.cuda.get_device_name()}), "
-          f"{args.num_sms} SMs/rank, hidden {args.hidden}, top-{args.topk} of {args.experts}; "
-          f"copy bandwidth {copy_gbps:.0f} GB/s (read+write)")
+    print(
+        f"intranode: {args.ranks} ranks on {min(gpus, args.ranks)} GPU(s) ({torch.cuda.get_device_name()}), "
+        f"{args.num_sms} SMs/rank, hidden {args.hidden}, top-{args.topk} of {args.experts}; "
+        f"copy bandwidth {copy_gbps:.0f} GB/s (read+write)"
+    )
     table = []
     for i, tokens in enumerate(args.sweep):
         rows = [r["results"][i] for r in per_rank]
-        for kind in ("layout", "dispatch_fp8", "dispatch_fp8_worst", "cached_dispatch_fp8", "dispatch_bf16", "combine_bf16"):
+        for kind in (
+            "layout",
+            "dispatch_fp8",
+            "dispatch_fp8_worst",
+            "cached_dispatch_fp8",
+            "dispatch_bf16",
+            "combine_bf16",
+        ):
             t = statistics.median(r["times"][kind] for r in rows)
             agg_bytes = sum(r["bytes"][kind] for r in rows)
             agg = agg_bytes / t / 1e9 if agg_bytes else 0.0
             ref = STAGING_REFERENCE_GBPS.get(kind.split("_")[0] if kind != "combine_bf16" else "combine")
-            entry = {"tokens": tokens, "kind": kind, "us": t * 1e6, "agg_GBps": agg, "per_rank_GBps": agg / args.ranks,
-                     "bytes_per_rank": agg_bytes / args.ranks, "ratio_to_copy_bw": agg / copy_gbps if copy_gbps else None,
-                     "vs_staging_reference": (agg / ref) if (ref and kind in ("dispatch_fp8", "dispatch_fp8_worst", "combine_bf16")) else None}
+            entry = {
+                "tokens": tokens,
+                "kind": kind,
+                "us": t * 1e6,
+                "agg_GBps": agg,
+                "per_rank_GBps": agg / args.ranks,
+                "bytes_per_rank": agg_bytes / args.ranks,
+                "ratio_to_copy_bw": agg / copy_gbps if copy_gbps else None,
+                "vs_staging_reference": (agg / ref)
+                if (ref and kind in ("dispatch_fp8", "dispatch_fp8_worst", "combine_bf16"))
+                else None,
+            }
             table.append(entry)
             extra = f" {entry['vs_staging_reference']:.2f}x staging ref" if entry["vs_staging_reference"] else ""
-            print(f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us  {agg_bytes / args.ranks / 1e6:8.2f} MB/rank  "
-                  f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw){extra}")
+            print(
+                f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us  {agg_bytes / args.ranks / 1e6:8.2f} MB/rank  "
+                f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw){extra}"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "copy_gbps": copy_gbps, "table": table, "per_rank": per_rank}, f, indent=1)

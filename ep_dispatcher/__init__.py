@@ -1,6 +1,6 @@
 """ep_dispatcher: expert-parallel dispatch/combine for Mixture-of-Experts (DeepEP-compatible API).
 
-    from ep_dispatcher import Buffer, Config, EventOverlap
+from ep_dispatcher import Buffer, Config, EventOverlap
 """
 
 from .buffer import Buffer

@@ -22,14 +22,31 @@ from .handles import DispatchHandle
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
-                combine_config: Optional[Config]):
+    def forward(
+        ctx,
+        buffer: Buffer,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Optional[Config],
+        combine_config: Optional[Config],
+    ):
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=config)
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+            config=config,
+        )
         ctx.buffer, ctx.handle, ctx.combine_config = buffer, handle, combine_config
         ctx.recv_x_meta = (recv_x.shape, recv_x.dtype, recv_x.device)
         ctx.set_materialize_grads(False)  # an unused weight output then costs no sum-back
@@ -48,15 +65,23 @@ class _Dispatch(torch.autograd.Function):
         if grad_recv_topk_weights is not None:
             # Weights of experts on other ranks (and padding rows) are constants 0 here: no gradient flows to them.
             grad_recv_topk_weights = grad_recv_topk_weights.masked_fill(recv_topk_idx < 0, 0).float().contiguous()
-        grad_x, grad_topk_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle,
-                                                          topk_weights=grad_recv_topk_weights, config=ctx.combine_config)
+        grad_x, grad_topk_weights, _ = ctx.buffer.combine(
+            grad_recv_x.contiguous(), handle, topk_weights=grad_recv_topk_weights, config=ctx.combine_config
+        )
         return None, grad_x, None, grad_topk_weights, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, bias: Optional[torch.Tensor],
-                config: Optional[Config], dispatch_config: Optional[Config]):
+    def forward(
+        ctx,
+        buffer: Buffer,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        bias: Optional[torch.Tensor],
+        config: Optional[Config],
+        dispatch_config: Optional[Config],
+    ):
         combined, _, _ = buffer.combine(x, handle, bias=bias, config=config)
         ctx.buffer, ctx.handle, ctx.dispatch_config = buffer, handle, dispatch_config
         ctx.has_bias = bias is not None
@@ -69,15 +94,23 @@ class _Combine(torch.autograd.Function):
         if grad_combined is None:
             shape, dtype, device = ctx.combined_meta
             grad_combined = torch.zeros(shape, dtype=dtype, device=device)
-        grad_x, _, _, _, _, _ = ctx.buffer.dispatch(grad_combined.contiguous(), handle=ctx.handle,
-                                                    config=ctx.dispatch_config)
+        grad_x, _, _, _, _, _ = ctx.buffer.dispatch(
+            grad_combined.contiguous(), handle=ctx.handle, config=ctx.dispatch_config
+        )
         return None, grad_x, None, (grad_combined if ctx.has_bias else None), None, None
 
 
-def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-             expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-             combine_config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int],
-                                                               DispatchHandle]:
+def dispatch(
+    buffer: Buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    expert_alignment: int = 1,
+    num_worst_tokens: int = 0,
+    config: Optional[Config] = None,
+    combine_config: Optional[Config] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int], DispatchHandle]:
     """Differentiable ``Buffer.dispatch`` (layout computed inside).
 
     Args:
@@ -87,12 +120,19 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``; gradients flow to
         ``x`` and ``topk_weights``.
     """
-    return _Dispatch.apply(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config,
-                           combine_config)
+    return _Dispatch.apply(
+        buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config, combine_config
+    )
 
 
-def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle, bias: Optional[torch.Tensor] = None,
-            config: Optional[Config] = None, dispatch_config: Optional[Config] = None) -> torch.Tensor:
+def combine(
+    buffer: Buffer,
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[Config] = None,
+    dispatch_config: Optional[Config] = None,
+) -> torch.Tensor:
     """Differentiable ``Buffer.combine`` (unweighted sum back to the source tokens, plus optional ``bias``).
 
     Returns ``combined_x [num_tokens, hidden]``; gradients flow to ``x`` and ``bias``.

@@ -64,14 +64,26 @@ class Buffer:
 
     num_sms: int = 20
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, backend: str = "auto", num_ranks_per_node: Optional[int] = None,
-                 timeout_s: Optional[float] = None, validate_inputs: bool = True):
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        backend: str = "auto",
+        num_ranks_per_node: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+        validate_inputs: bool = True,
+    ):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("Buffer: torch.distributed is not initialised; call "
-                               "torch.distributed.init_process_group(...) before creating a Buffer")
+            raise RuntimeError(
+                "Buffer: torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group(...) before creating a Buffer"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
@@ -87,8 +99,10 @@ class Buffer:
             num_ranks_per_node = int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", _config.DEFAULT_RANKS_PER_NODE))
         self.num_ranks_per_node = check_int("num_ranks_per_node", num_ranks_per_node, minimum=1)
         if self.group_size > self.num_ranks_per_node and self.group_size % self.num_ranks_per_node != 0:
-            raise ValueError(f"num_ranks_per_node: the group has {self.group_size} ranks, which is not a multiple of "
-                             f"num_ranks_per_node={self.num_ranks_per_node}")
+            raise ValueError(
+                f"num_ranks_per_node: the group has {self.group_size} ranks, which is not a multiple of "
+                f"num_ranks_per_node={self.num_ranks_per_node}"
+            )
         if timeout_s is None:
             timeout_s = float(os.environ.get("EP_DISPATCHER_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -104,8 +118,14 @@ class Buffer:
         if use_cuda:
             from .backends.cuda import CudaBackend
 
-            self._backend = CudaBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node,
-                                        num_nvl_bytes=self.num_nvl_bytes, timeout_s=self.timeout_s)
+            self._backend = CudaBackend(
+                self.group,
+                self.rank,
+                self.group_size,
+                self.num_ranks_per_node,
+                num_nvl_bytes=self.num_nvl_bytes,
+                timeout_s=self.timeout_s,
+            )
         else:
             from .backends.reference import ReferenceBackend
 
@@ -154,8 +174,9 @@ class Buffer:
         return _config.load_tuned_config("combine", num_ranks, Buffer.num_sms)
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         """``num_rdma_bytes`` a low-latency buffer needs for these sizes."""
         return _config.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
@@ -186,7 +207,9 @@ class Buffer:
     def _check_num_experts(self, num_experts) -> int:
         check_int("num_experts", num_experts, minimum=1)
         if num_experts % self.group_size != 0:
-            raise ValueError(f"num_experts: expected a multiple of the number of ranks ({self.group_size}), got {num_experts}")
+            raise ValueError(
+                f"num_experts: expected a multiple of the number of ranks ({self.group_size}), got {num_experts}"
+            )
         return num_experts
 
     def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, device) -> torch.Tensor:
@@ -201,19 +224,30 @@ class Buffer:
         if not isinstance(handle, kind):
             raise TypeError(f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
         if handle.buffer_id != self.buffer_id:
-            raise ValueError(f"handle: it was created by another Buffer (id {handle.buffer_id}), not this one "
-                             f"(id {self.buffer_id}); use the buffer that dispatched")
+            raise ValueError(
+                f"handle: it was created by another Buffer (id {handle.buffer_id}), not this one "
+                f"(id {self.buffer_id}); use the buffer that dispatched"
+            )
         return handle
 
     def _check_event(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream: needs previous_event and async_finish=True (the outputs then "
-                             "belong to the communication stream until the returned event is waited on)")
+            raise ValueError(
+                "allocate_on_comm_stream: needs previous_event and async_finish=True (the outputs then "
+                "belong to the communication stream until the returned event is waited on)"
+            )
 
-    def _run(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-             allocate_on_comm_stream: bool, inputs: Sequence, call: Callable):
+    def _run(
+        self,
+        device: torch.device,
+        previous_event: Optional[EventOverlap],
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+        inputs: Sequence,
+        call: Callable,
+    ):
         """Run ``call`` on the communication stream after ``previous_event`` (or the current stream).
 
         Returns ``(result, EventOverlap)``. On CPU the call is synchronous and the event empty.
@@ -246,8 +280,14 @@ class Buffer:
         return result, EventOverlap()
 
     # ------------------------------------------------------------------ layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Per-rank / per-expert counts of a routing.
 
         Args:
@@ -261,8 +301,14 @@ class Buffer:
         self._check_num_experts(num_experts)
         self._check_topk_idx(topk_idx, None, num_experts, None)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
-        result, event = self._run(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream, [topk_idx],
-                                  lambda: self._backend.get_dispatch_layout(topk_idx, num_experts))
+        result, event = self._run(
+            topk_idx.device,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            [topk_idx],
+            lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
+        )
         return (*result, event)
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
@@ -270,15 +316,19 @@ class Buffer:
         hidden_bytes = hidden * max(element_size, 2)
         need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < need_nvl:
-            raise ValueError(f"num_nvl_bytes: this call needs at least {need_nvl} bytes "
-                             f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
-                             f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}")
+            raise ValueError(
+                f"num_nvl_bytes: this call needs at least {need_nvl} bytes "
+                f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
+                f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}"
+            )
         if self.is_internode:
             need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
             if self.num_rdma_bytes < need_rdma:
-                raise ValueError(f"num_rdma_bytes: internode calls need at least {need_rdma} bytes "
-                                 f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size})), "
-                                 f"but the Buffer was created with num_rdma_bytes={self.num_rdma_bytes}")
+                raise ValueError(
+                    f"num_rdma_bytes: internode calls need at least {need_rdma} bytes "
+                    f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size})), "
+                    f"but the Buffer was created with num_rdma_bytes={self.num_rdma_bytes}"
+                )
 
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         data, scales = split_fp8(name, x)
@@ -287,8 +337,10 @@ class Buffer:
             if data.dim() != 2:
                 raise ValueError(f"{name}: expected shape [num_tokens, hidden], got {list(data.shape)}")
         if data.size(1) * data.element_size() % 16 != 0:
-            raise ValueError(f"{name}: rows must be a multiple of 16 bytes (hidden * element_size % 16 == 0), "
-                             f"got hidden={data.size(1)} with {data.dtype}")
+            raise ValueError(
+                f"{name}: rows must be a multiple of 16 bytes (hidden * element_size % 16 == 0), "
+                f"got hidden={data.size(1)} with {data.dtype}"
+            )
         return data, scales
 
     def _check_config(self, config, default: Callable[[int], Config]) -> Config:
@@ -298,13 +350,23 @@ class Buffer:
             raise TypeError(f"config: expected an ep_dispatcher.Config or None, got {type(config).__name__}")
         return config
 
-    def dispatch(self, x: FloatPayload, handle: Optional[DispatchHandle] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x: FloatPayload,
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Send each token to every rank holding one of its experts.
 
         Args:
@@ -335,52 +397,98 @@ class Buffer:
 
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                                ("topk_weights", topk_weights)):
+            for name, value in (
+                ("num_tokens_per_rank", num_tokens_per_rank),
+                ("is_token_in_rank", is_token_in_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert),
+                ("topk_idx", topk_idx),
+                ("topk_weights", topk_weights),
+            ):
                 if value is not None:
                     raise ValueError(f"{name}: must be None in cached mode (handle given); the handle holds the layout")
             if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
             (recv, recv_scales), event = self._run(
-                device, previous_event, async_finish, allocate_on_comm_stream, [data, scales],
-                lambda: self._backend.cached_dispatch(data, scales, handle, config=config))
+                device,
+                previous_event,
+                async_finish,
+                allocate_on_comm_stream,
+                [data, scales],
+                lambda: self._backend.cached_dispatch(data, scales, handle, config=config),
+            )
             return wrap(recv, recv_scales), None, None, None, handle, event
 
-        check_tensor("is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size),
-                     device=device)
-        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtypes=torch.int32, shape=(self.group_size,), device=device)
+        check_tensor(
+            "is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size), device=device
+        )
+        check_tensor(
+            "num_tokens_per_rank", num_tokens_per_rank, dtypes=torch.int32, shape=(self.group_size,), device=device
+        )
         if self.is_internode:
             num_nodes = self.group_size // self.num_ranks_per_node
-            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=torch.int32, shape=(num_nodes,),
-                         device=device)
+            check_tensor(
+                "num_tokens_per_rdma_rank",
+                num_tokens_per_rdma_rank,
+                dtypes=torch.int32,
+                shape=(num_nodes,),
+                device=device,
+            )
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         num_experts = None
         if topk_idx is not None or topk_weights is not None or num_tokens_per_expert is not None:
-            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
-                                ("num_tokens_per_expert", num_tokens_per_expert)):
+            for name, value in (
+                ("topk_idx", topk_idx),
+                ("topk_weights", topk_weights),
+                ("num_tokens_per_expert", num_tokens_per_expert),
+            ):
                 if value is None:
-                    raise ValueError(f"{name}: expected a tensor (topk_idx, topk_weights and num_tokens_per_expert go "
-                                     "together), got None")
-            check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtypes=torch.int32, shape=(None,), device=device)
+                    raise ValueError(
+                        f"{name}: expected a tensor (topk_idx, topk_weights and num_tokens_per_expert go "
+                        "together), got None"
+                    )
+            check_tensor(
+                "num_tokens_per_expert", num_tokens_per_expert, dtypes=torch.int32, shape=(None,), device=device
+            )
             num_experts = self._check_num_experts(num_tokens_per_expert.size(0))
             self._check_topk_idx(topk_idx, num_tokens, num_experts, device)
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=tuple(topk_idx.shape), device=device)
 
         result, event = self._run(
-            device, previous_event, async_finish, allocate_on_comm_stream,
+            device,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
             [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
-            lambda: self._backend.dispatch(data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights,
-                                           num_experts, expert_alignment, num_worst_tokens, self.buffer_id, config=config,
-                                           num_tokens_per_expert=num_tokens_per_expert))
+            lambda: self._backend.dispatch(
+                data,
+                scales,
+                is_token_in_rank,
+                num_tokens_per_rank,
+                topk_idx,
+                topk_weights,
+                num_experts,
+                expert_alignment,
+                num_worst_tokens,
+                self.buffer_id,
+                config=config,
+                num_tokens_per_expert=num_tokens_per_expert,
+            ),
+        )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Send each received row back to its source rank, which sums them (unweighted).
 
         Args:
@@ -410,11 +518,21 @@ class Buffer:
             if len(biases) > 2:
                 raise ValueError(f"bias: expected a tensor or a pair of tensors, got {len(biases)} tensors")
             for i, b in enumerate(biases):
-                check_tensor(f"bias[{i}]" if isinstance(bias, (tuple, list)) else "bias", b, dtypes=x.dtype,
-                             shape=(handle.num_tokens, x.size(1)), device=x.device)
+                check_tensor(
+                    f"bias[{i}]" if isinstance(bias, (tuple, list)) else "bias",
+                    b,
+                    dtypes=x.dtype,
+                    shape=(handle.num_tokens, x.size(1)),
+                    device=x.device,
+                )
         (combined, combined_w), event = self._run(
-            x.device, previous_event, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases],
-            lambda: self._backend.combine(x, handle, topk_weights, biases, config=config))
+            x.device,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            [x, topk_weights, *biases],
+            lambda: self._backend.combine(x, handle, topk_weights, biases, config=config),
+        )
         return combined, combined_w, event
 
     # ------------------------------------------------------------------ low latency
@@ -425,12 +543,16 @@ class Buffer:
         self._check_num_experts(num_experts)
         if hidden % 128 != 0:
             raise ValueError(f"x: low-latency kernels need hidden % 128 == 0, got hidden={hidden}")
-        need = Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        need = Buffer.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts
+        )
         if self.num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes: low-latency calls with num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts} need at "
-                             f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
-                             f"with num_rdma_bytes={self.num_rdma_bytes}")
+            raise ValueError(
+                f"num_rdma_bytes: low-latency calls with num_max_dispatch_tokens_per_rank="
+                f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts} need at "
+                f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
+                f"with num_rdma_bytes={self.num_rdma_bytes}"
+            )
 
     @property
     def num_pending_low_latency_hooks(self) -> int:
@@ -442,10 +564,12 @@ class Buffer:
         # call's hook has not run, its unread data would be overwritten (also when a newer hook already ran).
         half = self._ll_half
         if self._ll_half_pending[half]:
-            raise RuntimeError(f"low-latency call: buffer half {half} still holds an earlier call whose hook has not run "
-                               f"({self.num_pending_low_latency_hooks} pending); only {NUM_LOW_LATENCY_BUFFERS} calls can "
-                               "be in flight (the buffer is double-buffered) and they complete oldest first: call the "
-                               "oldest pending hook first")
+            raise RuntimeError(
+                f"low-latency call: buffer half {half} still holds an earlier call whose hook has not run "
+                f"({self.num_pending_low_latency_hooks} pending); only {NUM_LOW_LATENCY_BUFFERS} calls can "
+                "be in flight (the buffer is double-buffered) and they complete oldest first: call the "
+                "oldest pending hook first"
+            )
         self._ll_half = (half + 1) % NUM_LOW_LATENCY_BUFFERS
         return half
 
@@ -466,10 +590,19 @@ class Buffer:
 
         return hook
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False,
-                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+    ):
         """Decode-time dispatch into fixed expert-major buffers (no host sync).
 
         Args:
@@ -494,8 +627,9 @@ class Buffer:
         num_tokens, hidden = x.shape
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}")
+            raise ValueError(
+                f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
+            )
         self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (UE8M0 stores power-of-two scales only)")
@@ -505,8 +639,13 @@ class Buffer:
             raise ValueError("use_ue8m0: needs use_fp8=True")
         num_local_experts = num_experts // self.group_size
         if cumulative_local_expert_recv_stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtypes=torch.int32,
-                         shape=(num_local_experts,), device=x.device)
+            check_tensor(
+                "cumulative_local_expert_recv_stats",
+                cumulative_local_expert_recv_stats,
+                dtypes=torch.int32,
+                shape=(num_local_experts,),
+                device=x.device,
+            )
         half = self._take_low_latency_half()
 
         num_slots = self.group_size * num_max_dispatch_tokens_per_rank
@@ -515,12 +654,15 @@ class Buffer:
             recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn, device=device)
             groups = hidden // 512 if use_ue8m0 else hidden // 128
             scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-            recv_scales = torch.empty((num_local_experts, groups, num_slots), dtype=scale_dtype, device=device).transpose(1, 2)
+            recv_scales = torch.empty(
+                (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
+            ).transpose(1, 2)
         else:
             recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
             recv_scales = None
         recv_count, handle, receive = self._backend.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, self.buffer_id)
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, self.buffer_id
+        )
         recv_count_out = torch.empty_like(recv_count)
 
         def finish() -> None:
@@ -539,13 +681,24 @@ class Buffer:
         when ``zero_copy=True``: write the expert outputs there to skip one copy."""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle)
-        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
-                 handle.hidden)
+        shape = (
+            handle.num_experts // self.group_size,
+            self.group_size * handle.num_max_dispatch_tokens_per_rank,
+            handle.hidden,
+        )
         return self._backend.low_latency_combine_buffer(self._ll_half, shape, handle.src_info.device)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[torch.Tensor] = None,
+    ):
         """Bring expert outputs back and reduce them: ``out[t] = sum_k w[t, k] * y[t, k]`` in fp32, k ascending.
 
         Args:
@@ -565,8 +718,10 @@ class Buffer:
         if zero_copy:
             expected = self.get_next_low_latency_combine_buffer(handle)
             if x.data_ptr() != expected.data_ptr():
-                raise ValueError("x: with zero_copy=True, x must be the tensor returned by "
-                                 "get_next_low_latency_combine_buffer(handle) just before this call")
+                raise ValueError(
+                    "x: with zero_copy=True, x must be the tensor returned by "
+                    "get_next_low_latency_combine_buffer(handle) just before this call"
+                )
         shape = (handle.num_tokens, handle.num_topk)
         self._check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, x.device)
         if tuple(topk_idx.shape) != shape:

@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 NUM_MAX_TOPK = 16  # widest top-k the engine's per-token metadata slot holds (DeepSeek-V3 uses 8)
 FP8_GROUP_SIZE = 128  # channels per FP8 scale
@@ -50,20 +49,31 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+        for name in (
+            "num_sms",
+            "num_max_nvl_chunked_send_tokens",
+            "num_max_nvl_chunked_recv_tokens",
+            "num_max_rdma_chunked_send_tokens",
+            "num_max_rdma_chunked_recv_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
         if self.num_sms % 2 != 0:
-            raise ValueError(f"Config.num_sms: expected an even number (one sender + one receiver block per channel), "
-                             f"got {self.num_sms}")
+            raise ValueError(
+                f"Config.num_sms: expected an even number (one sender + one receiver block per channel), "
+                f"got {self.num_sms}"
+            )
         if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
-            raise ValueError("Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens "
-                             f"({self.num_max_nvl_chunked_recv_tokens}), got {self.num_max_nvl_chunked_send_tokens}")
+            raise ValueError(
+                "Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens "
+                f"({self.num_max_nvl_chunked_recv_tokens}), got {self.num_max_nvl_chunked_send_tokens}"
+            )
         if self.num_max_rdma_chunked_send_tokens > self.num_max_rdma_chunked_recv_tokens:
-            raise ValueError("Config.num_max_rdma_chunked_send_tokens: expected <= num_max_rdma_chunked_recv_tokens "
-                             f"({self.num_max_rdma_chunked_recv_tokens}), got {self.num_max_rdma_chunked_send_tokens}")
+            raise ValueError(
+                "Config.num_max_rdma_chunked_send_tokens: expected <= num_max_rdma_chunked_recv_tokens "
+                f"({self.num_max_rdma_chunked_recv_tokens}), got {self.num_max_rdma_chunked_send_tokens}"
+            )
 
     @property
     def num_channels(self) -> int:
@@ -92,7 +102,9 @@ class Config:
 
 def _check_hint_args(hidden_bytes: int, num_ranks: int) -> None:
     if not isinstance(hidden_bytes, int) or hidden_bytes <= 0 or hidden_bytes % 16 != 0:
-        raise ValueError(f"hidden_bytes: expected a positive multiple of 16 (hidden * max(element_size, 2)), got {hidden_bytes!r}")
+        raise ValueError(
+            f"hidden_bytes: expected a positive multiple of 16 (hidden * max(element_size, 2)), got {hidden_bytes!r}"
+        )
     if not isinstance(num_ranks, int) or num_ranks <= 0:
         raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
 
@@ -106,11 +118,16 @@ def low_latency_combine_message_bytes(hidden: int) -> int:
     return _align(16 + hidden * 2, 16)
 
 
-def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                   num_experts: int) -> int:
+def get_low_latency_rdma_size_hint(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
     """NVSHMEM bytes per rank for low-latency mode (both halves of the double buffer)."""
-    for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-                        ("num_ranks", num_ranks), ("num_experts", num_experts)):
+    for name, value in (
+        ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+        ("hidden", hidden),
+        ("num_ranks", num_ranks),
+        ("num_experts", num_experts),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if hidden % FP8_GROUP_SIZE != 0:

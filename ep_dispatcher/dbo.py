@@ -138,7 +138,8 @@ class MicroBatchOverlap:
             (mb, tick - mb * stagger)
             for tick in range(len(self.segments) + stagger * (num_micro_batches - 1))
             for mb in range(num_micro_batches)
-            if 0 <= tick - mb * stagger < len(self.segments))
+            if 0 <= tick - mb * stagger < len(self.segments)
+        )
         self._check_order()
 
     @staticmethod
@@ -150,8 +151,10 @@ class MicroBatchOverlap:
             if entry is YIELD:
                 if not segments[-1]:
                     where = "starts with YIELD" if index == 0 else "has two YIELDs in a row"
-                    raise ValueError(f"stages[{index}]: the stage list {where}; every segment between YIELDs needs "
-                                     "at least one stage")
+                    raise ValueError(
+                        f"stages[{index}]: the stage list {where}; every segment between YIELDs needs "
+                        "at least one stage"
+                    )
                 segments.append([])
             elif isinstance(entry, Send):
                 if not callable(entry.fn):
@@ -160,13 +163,16 @@ class MicroBatchOverlap:
             elif isinstance(entry, Recv) or callable(entry):
                 segments[-1].append((index, entry))
             else:
-                raise TypeError(f"stages[{index}]: expected a callable, Send, Recv or YIELD, got "
-                                f"{type(entry).__name__} ({entry!r})")
+                raise TypeError(
+                    f"stages[{index}]: expected a callable, Send, Recv or YIELD, got {type(entry).__name__} ({entry!r})"
+                )
         if not segments[-1]:
             if len(segments) == 1:
                 raise ValueError("stages: the stage list is empty")
-            raise ValueError(f"stages[{len(stages) - 1}]: the stage list ends with YIELD; every segment between "
-                             "YIELDs needs at least one stage")
+            raise ValueError(
+                f"stages[{len(stages) - 1}]: the stage list ends with YIELD; every segment between "
+                "YIELDs needs at least one stage"
+            )
         return segments
 
     def _check_order(self) -> None:
@@ -182,7 +188,8 @@ class MicroBatchOverlap:
                         raise DBOScheduleError(
                             f"{where}: would put a third low-latency call in flight while {waiting} still wait for "
                             f"their receive; the Buffer has only {NUM_LOW_LATENCY_BUFFERS} low-latency buffer halves. "
-                            "Put a Recv of an earlier send before this Send, use fewer micro-batches, or stagger them")
+                            "Put a Recv of an earlier send before this Send, use fewer micro-batches, or stagger them"
+                        )
                     pending.append(_Pending(mb, entry.name, _label(index, entry)))
                 elif isinstance(entry, Recv):
                     mine = [p for p in pending if p.micro_batch == mb]
@@ -190,25 +197,32 @@ class MicroBatchOverlap:
                         if (mb, entry.name) in received:
                             raise DBOScheduleError(
                                 f"{where}: hook called twice: this micro-batch's Send({entry.name!r}) was already "
-                                f"received by {received[(mb, entry.name)]}; each hook runs exactly once")
-                        raise DBOScheduleError(f"{where}: no pending Send({entry.name!r}) of this micro-batch to "
-                                               "receive; a Recv must follow its Send")
+                                f"received by {received[(mb, entry.name)]}; each hook runs exactly once"
+                            )
+                        raise DBOScheduleError(
+                            f"{where}: no pending Send({entry.name!r}) of this micro-batch to "
+                            "receive; a Recv must follow its Send"
+                        )
                     if mine[0].name != entry.name:
                         raise DBOScheduleError(
                             f"{where}: out of order: this micro-batch's older {mine[0].label} is still pending; "
-                            "receives run in the order their sends were issued")
+                            "receives run in the order their sends were issued"
+                        )
                     if pending[0] is not mine[0]:
                         raise DBOScheduleError(
                             f"{where}: out of order: micro-batch {pending[0].micro_batch}'s {pending[0].label} was "
                             "issued earlier and is still pending; receives run in the order sends were issued across "
                             "micro-batches (the Buffer gives its two buffer halves to calls in turn, so the next call "
-                            "would overwrite the older call's unread half)")
+                            "would overwrite the older call's unread half)"
+                        )
                     pending.popleft()
                     received[(mb, entry.name)] = _label(index, entry)
         if pending:
             left = ", ".join(f"micro-batch {p.micro_batch} {p.label}" for p in pending)
-            raise DBOScheduleError(f"stages: {left} never received: add the matching Recv before the end of the list "
-                                   "(a pending hook keeps its buffer half busy)")
+            raise DBOScheduleError(
+                f"stages: {left} never received: add the matching Recv before the end of the list "
+                "(a pending hook keeps its buffer half busy)"
+            )
 
     def run(self, states: Sequence[Any]) -> None:
         """Run the schedule; ``states[j]`` is micro-batch ``j``'s state, passed to each of its stages.
@@ -219,11 +233,14 @@ class MicroBatchOverlap:
         when the stages are.
         """
         if isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
-            raise TypeError(f"states: expected a sequence of {self.num_micro_batches} micro-batch states, got "
-                            f"{type(states).__name__}")
+            raise TypeError(
+                f"states: expected a sequence of {self.num_micro_batches} micro-batch states, got "
+                f"{type(states).__name__}"
+            )
         if len(states) != self.num_micro_batches:
-            raise ValueError(f"states: expected {self.num_micro_batches} micro-batch states (num_micro_batches), got "
-                             f"{len(states)}")
+            raise ValueError(
+                f"states: expected {self.num_micro_batches} micro-batch states (num_micro_batches), got {len(states)}"
+            )
         pending: deque[_Pending] = deque()
         issued: list[tuple[RecvHook, str]] = []  # every hook of this run, held so that ids stay unique
         for mb, seg in self.order:
@@ -233,13 +250,16 @@ class MicroBatchOverlap:
                     hook = entry.fn(state)
                     where = f"micro-batch {mb}, {_label(index, entry)}"
                     if not callable(hook):
-                        raise TypeError(f"{where}: fn must return the receive hook of a low-latency call made with "
-                                        f"return_recv_hook=True, got {type(hook).__name__}")
+                        raise TypeError(
+                            f"{where}: fn must return the receive hook of a low-latency call made with "
+                            f"return_recv_hook=True, got {type(hook).__name__}"
+                        )
                     for old, old_where in issued:
                         if old is hook:
                             raise DBOScheduleError(
                                 f"{where}: hook called twice: fn returned the hook already returned by {old_where}; "
-                                "return the hook of the low-latency call made in this stage")
+                                "return the hook of the low-latency call made in this stage"
+                            )
                     issued.append((hook, where))
                     pending.append(_Pending(mb, entry.name, where, hook))
                 elif isinstance(entry, Recv):
@@ -247,11 +267,14 @@ class MicroBatchOverlap:
                     try:
                         waiting.hook()
                     except RuntimeError as e:
-                        raise DBOScheduleError(f"micro-batch {mb}, {_label(index, entry)}: the receive hook of "
-                                               f"{waiting.label} failed: {e}") from e
+                        raise DBOScheduleError(
+                            f"micro-batch {mb}, {_label(index, entry)}: the receive hook of {waiting.label} failed: {e}"
+                        ) from e
                 else:
                     entry(state)
 
     def __repr__(self) -> str:
-        return (f"MicroBatchOverlap({len(self.segments)} segments, num_micro_batches={self.num_micro_batches}, "
-                f"stagger={self.stagger})")
+        return (
+            f"MicroBatchOverlap({len(self.segments)} segments, num_micro_batches={self.num_micro_batches}, "
+            f"stagger={self.stagger})"
+        )

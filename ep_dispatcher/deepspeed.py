@@ -99,22 +99,30 @@ class EPMOELayer(_DeepSpeedMOELayer):
 
     def _check_supported(self) -> None:
         if self.use_tutel:
-            raise NotImplementedError("ep_dispatcher.deepspeed: use_tutel=True is not supported (Tutel has its own "
-                                      "dispatch); build the layer with use_tutel=False")
+            raise NotImplementedError(
+                "ep_dispatcher.deepspeed: use_tutel=True is not supported (Tutel has its own "
+                "dispatch); build the layer with use_tutel=False"
+            )
         tp = bwc_tensor_model_parallel_world_size(_ds_groups.mpu)
         if tp > 1:
-            raise NotImplementedError(f"ep_dispatcher.deepspeed: a tensor-parallel model (tensor-parallel size {tp}) "
-                                      "is not supported; DeepSpeed's duplicate-token drop/gather across TP ranks is "
-                                      "not implemented here")
+            raise NotImplementedError(
+                f"ep_dispatcher.deepspeed: a tensor-parallel model (tensor-parallel size {tp}) "
+                "is not supported; DeepSpeed's duplicate-token drop/gather across TP ranks is "
+                "not implemented here"
+            )
         if self.ep_size > 1 and self.ep_group is None:
-            raise RuntimeError(f"ep_dispatcher.deepspeed: ep_size={self.ep_size} but the layer has no expert-parallel "
-                               "group; call set_deepspeed_parallelism() on the MoE module (deepspeed.initialize does)")
+            raise RuntimeError(
+                f"ep_dispatcher.deepspeed: ep_size={self.ep_size} but the layer has no expert-parallel "
+                "group; call set_deepspeed_parallelism() on the MoE module (deepspeed.initialize does)"
+            )
         if self.ep_group is not None and dist.get_world_size(self.ep_group) != self.ep_size:
-            raise ValueError(f"ep_group: has {dist.get_world_size(self.ep_group)} ranks, expected ep_size="
-                             f"{self.ep_size}")
+            raise ValueError(
+                f"ep_group: has {dist.get_world_size(self.ep_group)} ranks, expected ep_size={self.ep_size}"
+            )
 
-    def _run_local_experts(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
-                           counts: List[int]) -> torch.Tensor:
+    def _run_local_experts(
+        self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, counts: List[int]
+    ) -> torch.Tensor:
         """Expert-side compute: ``[num_recv_rows, hidden]`` -> weighted per-row sums ``[num_recv_rows, hidden]``.
 
         Every (row, top-k slot) naming a local expert is listed expert-major (stable, so rows keep the receive
@@ -129,8 +137,10 @@ class EPMOELayer(_DeepSpeedMOELayer):
         pairs = pairs.index_select(0, perm)
         rows = torch.div(pairs, num_topk, rounding_mode="floor")
         expert_in = recv_x.index_select(0, rows)
-        outputs = [_expert_output(expert, chunk) for expert, chunk in
-                   zip(self.experts.deepspeed_experts, torch.split(expert_in, counts))]
+        outputs = [
+            _expert_output(expert, chunk)
+            for expert, chunk in zip(self.experts.deepspeed_experts, torch.split(expert_in, counts))
+        ]
         expert_out = torch.cat(outputs) if outputs else expert_in
         # fp32 weights: the product (and the route sum below) is fp32 for fp32/bf16 data, like DeepSpeed's decode.
         weights = recv_topk_weights.reshape(-1).index_select(0, pairs).unsqueeze(1)
@@ -149,7 +159,8 @@ class EPMOELayer(_DeepSpeedMOELayer):
 
         # The same gate call as DeepSpeed's MOELayer (sparse routes), so the same random numbers are drawn.
         self.l_aux, _capacity, num_experts, indices_, _locations, gates_, self.exp_counts = self.gate(
-            reshaped_input, used_token, True, False)
+            reshaped_input, used_token, True, False
+        )
         topk_idx = indices_.t().to(torch.int64).contiguous()  # [num_tokens, k], -1 = dropped by capacity
         topk_weights = gates_.t().float().contiguous()  # [num_tokens, k], differentiable (gate gradient)
 
@@ -162,7 +173,8 @@ class EPMOELayer(_DeepSpeedMOELayer):
         else:
             buffer = _get_buffer(self.ep_group, d_model * max(reshaped_input.element_size(), 2))
             recv_x, recv_topk_idx, recv_topk_weights, counts, handle = ep_autograd.dispatch(
-                buffer, reshaped_input.contiguous(), topk_idx, topk_weights, num_experts)
+                buffer, reshaped_input.contiguous(), topk_idx, topk_weights, num_experts
+            )
         if self.wall_clock_breakdown:
             self.timers(_ds_sharded_moe.FIRST_ALLTOALL_TIMER).stop()
             self.time_falltoall = self.timers(_ds_sharded_moe.FIRST_ALLTOALL_TIMER).elapsed(reset=False)
@@ -189,39 +201,58 @@ class MoE(_DeepSpeedMoE):
     ``enable_expert_tensor_parallelism=True``.
     """
 
-    def __init__(self,
-                 hidden_size: int,
-                 expert: nn.Module,
-                 num_experts: int = 1,
-                 ep_size: int = 1,
-                 k: int = 1,
-                 capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0,
-                 min_capacity: int = 4,
-                 use_residual: bool = False,
-                 noisy_gate_policy: Optional[str] = None,
-                 drop_tokens: bool = True,
-                 use_rts: bool = True,
-                 use_tutel: bool = False,
-                 enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: Optional[str] = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
         if use_tutel:
-            raise NotImplementedError("use_tutel: ep_dispatcher's MoE replaces the dispatch Tutel would speed up; "
-                                      "expected use_tutel=False, got True")
+            raise NotImplementedError(
+                "use_tutel: ep_dispatcher's MoE replaces the dispatch Tutel would speed up; "
+                "expected use_tutel=False, got True"
+            )
         if enable_expert_tensor_parallelism:
-            raise NotImplementedError("enable_expert_tensor_parallelism: tensor-parallel experts are not supported "
-                                      "by ep_dispatcher's MoE; expected False, got True")
+            raise NotImplementedError(
+                "enable_expert_tensor_parallelism: tensor-parallel experts are not supported "
+                "by ep_dispatcher's MoE; expected False, got True"
+            )
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_experts:
             raise ValueError(f"k: expected an int in [1, num_experts={num_experts}], got {k!r}")
-        super().__init__(hidden_size, expert, num_experts=num_experts, ep_size=ep_size, k=k,
-                         capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
-                         min_capacity=min_capacity, use_residual=use_residual, noisy_gate_policy=noisy_gate_policy,
-                         drop_tokens=drop_tokens, use_rts=use_rts, use_tutel=False,
-                         enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        super().__init__(
+            hidden_size,
+            expert,
+            num_experts=num_experts,
+            ep_size=ep_size,
+            k=k,
+            capacity_factor=capacity_factor,
+            eval_capacity_factor=eval_capacity_factor,
+            min_capacity=min_capacity,
+            use_residual=use_residual,
+            noisy_gate_policy=noisy_gate_policy,
+            drop_tokens=drop_tokens,
+            use_rts=use_rts,
+            use_tutel=False,
+            enable_expert_tensor_parallelism=False,
+            top2_2nd_expert_sampling=top2_2nd_expert_sampling,
+        )
         self.deepspeed_moe.__class__ = EPMOELayer
 
-    def forward(self, hidden_states: torch.Tensor,
-                used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See the class docstring; identical to DeepSpeed's ``MoE.forward`` (residual MoE included)."""
         return super().forward(hidden_states, used_token)
 
@@ -237,15 +268,18 @@ def patch(model: nn.Module) -> int:
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     layers = [m for m in model.modules() if isinstance(m, _DeepSpeedMOELayer)]
     if not layers:
-        raise ValueError("model: contains no deepspeed.moe.sharded_moe.MOELayer (build it with "
-                         "deepspeed.moe.layer.MoE)")
+        raise ValueError(
+            "model: contains no deepspeed.moe.sharded_moe.MOELayer (build it with deepspeed.moe.layer.MoE)"
+        )
     switched = 0
     for layer in layers:
         if type(layer) is EPMOELayer:
             continue
         if type(layer) is not _DeepSpeedMOELayer:
-            raise TypeError(f"model: layer of type {type(layer).__name__} subclasses DeepSpeed's MOELayer with its "
-                            "own behaviour; patch() only switches DeepSpeed's own MOELayer")
+            raise TypeError(
+                f"model: layer of type {type(layer).__name__} subclasses DeepSpeed's MOELayer with its "
+                "own behaviour; patch() only switches DeepSpeed's own MOELayer"
+            )
         if layer.use_tutel:
             raise NotImplementedError("model: a layer uses Tutel (use_tutel=True), which patch() does not support")
         layer.__class__ = EPMOELayer

@@ -26,7 +26,7 @@ from .launch import spawn
 
 def _params(args, device, dtype):
     g = torch.Generator().manual_seed(args.seed)
-    scale_in, scale_hidden = args.hidden ** -0.5, args.ffn ** -0.5
+    scale_in, scale_hidden = args.hidden**-0.5, args.ffn**-0.5
     gate = torch.randn((args.hidden, args.experts), generator=g) * scale_in
     w1 = torch.randn((args.experts, args.hidden, args.ffn), generator=g) * scale_in
     w2 = torch.randn((args.experts, args.ffn, args.hidden), generator=g) * scale_hidden
@@ -69,8 +69,8 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
     gate, w1_all, w2_all = _params(args, device, dtype)
     gate = gate.requires_grad_()
-    w1 = w1_all[rank * local:(rank + 1) * local].clone().requires_grad_()
-    w2 = w2_all[rank * local:(rank + 1) * local].clone().requires_grad_()
+    w1 = w1_all[rank * local : (rank + 1) * local].clone().requires_grad_()
+    w2 = w2_all[rank * local : (rank + 1) * local].clone().requires_grad_()
 
     max_err, step_times, bytes_moved = 0.0, [], 0
     for step in range(args.steps):
@@ -109,12 +109,19 @@ def _rank_main(rank: int, world: int, args) -> dict:
             (out.detach() - outs[rank].detach()).abs().max(),
             (x.grad - xs[rank].grad).abs().max(),
             (gate_grad - gate_d.grad).abs().max(),
-            (w1.grad - w1_d.grad[rank * local:(rank + 1) * local]).abs().max(),
-            (w2.grad - w2_d.grad[rank * local:(rank + 1) * local]).abs().max(),
+            (w1.grad - w1_d.grad[rank * local : (rank + 1) * local]).abs().max(),
+            (w2.grad - w2_d.grad[rank * local : (rank + 1) * local]).abs().max(),
         ]
         max_err = max(max_err, max(float(e) for e in errors if e.numel()))
-    return {"rank": rank, "backend": buffer.backend, "device": str(device), "tokens": x.size(0),
-            "max_err": max_err, "step_s": sorted(step_times)[len(step_times) // 2], "bytes": bytes_moved}
+    return {
+        "rank": rank,
+        "backend": buffer.backend,
+        "device": str(device),
+        "tokens": x.size(0),
+        "max_err": max_err,
+        "step_s": sorted(step_times)[len(step_times) // 2],
+        "bytes": bytes_moved,
+    }
 
 
 def main(argv: List[str] = None) -> int:
@@ -137,13 +144,19 @@ def main(argv: List[str] = None) -> int:
     pg_backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
     results = spawn(_rank_main, args.ranks, args, backend=pg_backend)
     worst = max(r["max_err"] for r in results)
-    print(f"ep_dispatcher demo: {args.ranks} ranks ({pg_backend}, backend={results[0]['backend']}, "
-          f"{results[0]['device']}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}")
+    print(
+        f"ep_dispatcher demo: {args.ranks} ranks ({pg_backend}, backend={results[0]['backend']}, "
+        f"{results[0]['device']}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}"
+    )
     for r in results:
-        print(f"  rank {r['rank']}: {r['tokens']:5d} tokens, {r['bytes'] / 1e6:8.3f} MB moved, "
-              f"{r['step_s'] * 1e3:7.2f} ms/step (fwd+bwd, median of {args.steps})")
+        print(
+            f"  rank {r['rank']}: {r['tokens']:5d} tokens, {r['bytes'] / 1e6:8.3f} MB moved, "
+            f"{r['step_s'] * 1e3:7.2f} ms/step (fwd+bwd, median of {args.steps})"
+        )
     ok = worst <= args.tolerance
-    print(f"max |error| vs dense single-process: {worst:.3e} (tolerance {args.tolerance:.0e}) -> {'OK' if ok else 'FAIL'}")
+    print(
+        f"max |error| vs dense single-process: {worst:.3e} (tolerance {args.tolerance:.0e}) -> {'OK' if ok else 'FAIL'}"
+    )
     return 0 if ok else 1
 
 

@@ -46,7 +46,9 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
     ``use_ue8m0`` (which implies ``round_scale``).
     """
     if x.dim() != 2 or x.size(1) % FP8_GROUP_SIZE != 0:
-        raise ValueError(f"x: expected [num_tokens, hidden] with hidden % {FP8_GROUP_SIZE} == 0, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x: expected [num_tokens, hidden] with hidden % {FP8_GROUP_SIZE} == 0, got shape {tuple(x.shape)}"
+        )
     num_tokens, hidden = x.shape
     groups = x.float().view(num_tokens, hidden // FP8_GROUP_SIZE, FP8_GROUP_SIZE)
     amax = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)

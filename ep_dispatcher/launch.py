@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -26,20 +27,31 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ar
     torch.set_num_threads(1)  # N ranks on a few cores: one thread each avoids oversubscription
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    results.put((rank, "ok", value))  # SimpleQueue writes synchronously: the result is out before we exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without interpreter teardown: libraries' background threads (gloo, DeepSpeed) can abort the process
+    # in their destructors ("terminate called without an active exception") after the work has succeeded.
+    os._exit(0)
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> List[Any]:
+def spawn(
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; returns each rank's return value.
 
     ``fn`` must be importable (defined at module level). A failure on any rank raises ``RuntimeError`` with that
@@ -48,8 +60,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, results, timeout_s), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, results, timeout_s), daemon=False)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict = {}

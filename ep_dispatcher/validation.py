@@ -13,9 +13,15 @@ def _fmt_shape(shape: ShapeSpec) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
-def check_tensor(name: str, t, *, dtypes: Union[torch.dtype, Iterable[torch.dtype], None] = None,
-                 shape: Optional[ShapeSpec] = None, device: Optional[torch.device] = None,
-                 contiguous: bool = True) -> torch.Tensor:
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Union[torch.dtype, Iterable[torch.dtype], None] = None,
+    shape: Optional[ShapeSpec] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
     """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor with the given dtype(s), shape and device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -63,14 +69,18 @@ def split_fp8(name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``x`` or ``(x_fp8, scales)`` -> ``(data, scales or None)``, checking the FP8 pair's form."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
-            raise ValueError(f"{name}: expected a tensor or a (float8_e4m3fn data, float32 scales) pair, got {len(x)} items")
+            raise ValueError(
+                f"{name}: expected a tensor or a (float8_e4m3fn data, float32 scales) pair, got {len(x)} items"
+            )
         data, scales = x
         check_tensor(f"{name}[0]", data, dtypes=torch.float8_e4m3fn)
         if data.dim() != 2:
             raise ValueError(f"{name}[0]: expected shape [num_tokens, hidden], got {list(data.shape)}")
         num_tokens, hidden = data.shape
         if hidden % 128 != 0:
-            raise ValueError(f"{name}[0]: FP8 payloads need hidden % 128 == 0 (one scale per 128 channels), got hidden={hidden}")
+            raise ValueError(
+                f"{name}[0]: FP8 payloads need hidden % 128 == 0 (one scale per 128 channels), got hidden={hidden}"
+            )
         check_tensor(f"{name}[1]", scales, dtypes=torch.float32, shape=(num_tokens, hidden // 128), device=data.device)
         return data, scales
     check_tensor(name, x)

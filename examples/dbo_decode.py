@@ -43,12 +43,18 @@ def make_params(args, rank: int, world: int, device: torch.device) -> list[dict[
     h, f, e, local = args.hidden, args.ffn, args.experts, args.experts // world
     layers = []
     for _ in range(args.layers):
-        attn = torch.randn((h, h), generator=g) * h ** -0.5
-        gate = torch.randn((h, e), generator=g) * h ** -0.5
-        w13 = torch.randn((e, h, 2 * f), generator=g) * h ** -0.5
-        w2 = torch.randn((e, f, h), generator=g) * f ** -0.5
-        layers.append({"attn": attn, "gate": gate, "w13": w13[rank * local:(rank + 1) * local].contiguous(),
-                       "w2": w2[rank * local:(rank + 1) * local].contiguous()})
+        attn = torch.randn((h, h), generator=g) * h**-0.5
+        gate = torch.randn((h, e), generator=g) * h**-0.5
+        w13 = torch.randn((e, h, 2 * f), generator=g) * h**-0.5
+        w2 = torch.randn((e, f, h), generator=g) * f**-0.5
+        layers.append(
+            {
+                "attn": attn,
+                "gate": gate,
+                "w13": w13[rank * local : (rank + 1) * local].contiguous(),
+                "w2": w2[rank * local : (rank + 1) * local].contiguous(),
+            }
+        )
     return [{k: v.to(device) for k, v in layer.items()} for layer in layers]
 
 
@@ -72,7 +78,8 @@ def layer_stages(params: dict[str, torch.Tensor], buffer: Buffer, args) -> list:
 
     def dispatch_send(state: dict):
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-            state["h"], state["topk_idx"], max_tokens, args.experts, use_fp8=args.fp8, return_recv_hook=True)
+            state["h"], state["topk_idx"], max_tokens, args.experts, use_fp8=args.fp8, return_recv_hook=True
+        )
         state.update(recv_x=recv_x, recv_count=recv_count, handle=handle)
         return hook
 
@@ -81,7 +88,7 @@ def layer_stages(params: dict[str, torch.Tensor], buffer: Buffer, args) -> list:
         if args.fp8:
             data, scales = recv_x
             e_local, slots, hidden = data.shape
-            x = (data.float().view(e_local, slots, hidden // FP8_GROUP, FP8_GROUP) * scales.unsqueeze(-1))
+            x = data.float().view(e_local, slots, hidden // FP8_GROUP, FP8_GROUP) * scales.unsqueeze(-1)
             x = x.view(e_local, slots, hidden)
         else:
             x = recv_x.float()
@@ -91,8 +98,13 @@ def layer_stages(params: dict[str, torch.Tensor], buffer: Buffer, args) -> list:
         state["expert_out"] = torch.bmm(torch.nn.functional.silu(gate) * up, params["w2"]).to(torch.bfloat16)
 
     def combine_send(state: dict):
-        out, _, hook = buffer.low_latency_combine(state.pop("expert_out"), state["topk_idx"], state["topk_weights"],
-                                                  state.pop("handle"), return_recv_hook=True)
+        out, _, hook = buffer.low_latency_combine(
+            state.pop("expert_out"),
+            state["topk_idx"],
+            state["topk_weights"],
+            state.pop("handle"),
+            return_recv_hook=True,
+        )
         state["moe_out"] = out
         return hook
 
@@ -100,9 +112,17 @@ def layer_stages(params: dict[str, torch.Tensor], buffer: Buffer, args) -> list:
         state["x"] = (state.pop("h").float() + state.pop("moe_out").float()).to(torch.bfloat16)
 
     # A YIELD right after each send: that send's transfer overlaps the other micro-batch's next segment.
-    return [attention, Send("dispatch", dispatch_send), YIELD,
-            Recv("dispatch"), experts, Send("combine", combine_send), YIELD,
-            Recv("combine"), residual]
+    return [
+        attention,
+        Send("dispatch", dispatch_send),
+        YIELD,
+        Recv("dispatch"),
+        experts,
+        Send("combine", combine_send),
+        YIELD,
+        Recv("combine"),
+        residual,
+    ]
 
 
 def build_stages(layers: list[dict[str, torch.Tensor]], buffer: Buffer, args) -> list:
@@ -124,8 +144,12 @@ def rank_main(rank: int, world: int, args) -> dict:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    buffer = Buffer(None, low_latency_mode=True, backend=args.backend,
-                    num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world, args.experts))
+    buffer = Buffer(
+        None,
+        low_latency_mode=True,
+        backend=args.backend,
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world, args.experts),
+    )
     layers = make_params(args, rank, world, device)
     stages = build_stages(layers, buffer, args)
     plain = MicroBatchOverlap(stages, num_micro_batches=1)
@@ -152,8 +176,14 @@ def rank_main(rank: int, world: int, args) -> dict:
             diff = float("inf")  # unequal yet no positive difference: a NaN somewhere
         max_diff = max(max_diff, diff)
     median = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
-    return {"rank": rank, "pg": pg_backend, "device": str(device), "backend": buffer.backend, "max_diff": max_diff,
-            "step_s": median}
+    return {
+        "rank": rank,
+        "pg": pg_backend,
+        "device": str(device),
+        "backend": buffer.backend,
+        "max_diff": max_diff,
+        "step_s": median,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,13 +220,20 @@ def main(argv: list[str] | None = None) -> int:
 
     r0 = results[0]
     total_tokens = args.ranks * args.tokens
-    print(f"dbo_decode: {args.ranks} ranks ({r0['pg']}, backend={r0['backend']}, {r0['device']}), {args.layers} layers, "
-          f"hidden {args.hidden}, {args.experts} experts top-{args.topk}, {args.tokens} tokens/rank, "
-          f"{'FP8' if args.fp8 else 'BF16'} dispatch")
-    for mode, label in (("plain", "plain (1 micro-batch)"), ("overlap", f"overlap ({args.micro_batches} micro-batches)")):
+    print(
+        f"dbo_decode: {args.ranks} ranks ({r0['pg']}, backend={r0['backend']}, {r0['device']}), {args.layers} layers, "
+        f"hidden {args.hidden}, {args.experts} experts top-{args.topk}, {args.tokens} tokens/rank, "
+        f"{'FP8' if args.fp8 else 'BF16'} dispatch"
+    )
+    for mode, label in (
+        ("plain", "plain (1 micro-batch)"),
+        ("overlap", f"overlap ({args.micro_batches} micro-batches)"),
+    ):
         step_s = max(r["step_s"][mode] for r in results)  # a step ends when the slowest rank ends
-        print(f"  {label:28s} {step_s * 1e3:8.2f} ms/step  {total_tokens / step_s:10.0f} tokens/s "
-              f"(median of {args.steps})")
+        print(
+            f"  {label:28s} {step_s * 1e3:8.2f} ms/step  {total_tokens / step_s:10.0f} tokens/s "
+            f"(median of {args.steps})"
+        )
     worst = max(r["max_diff"] for r in results)
     ok = worst == 0.0
     print(f"max |overlap - plain| over all tokens: {worst:.3e} (must be exactly 0) -> {'OK' if ok else 'FAIL'}")

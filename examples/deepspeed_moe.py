@@ -37,8 +37,16 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(args.hidden)
         ffn = 4 * args.hidden
         expert = nn.Sequential(nn.Linear(args.hidden, ffn), nn.GELU(), nn.Linear(ffn, args.hidden))
-        self.moe = moe_cls(args.hidden, expert, num_experts=args.experts, ep_size=ep_size, k=args.topk,
-                           capacity_factor=args.capacity_factor, min_capacity=0, drop_tokens=args.capacity_factor > 0)
+        self.moe = moe_cls(
+            args.hidden,
+            expert,
+            num_experts=args.experts,
+            ep_size=ep_size,
+            k=args.topk,
+            capacity_factor=args.capacity_factor,
+            min_capacity=0,
+            drop_tokens=args.capacity_factor > 0,
+        )
 
     def forward(self, x: torch.Tensor, causal_mask: torch.Tensor):
         h = self.norm1(x)
@@ -103,8 +111,7 @@ def train(rank: int, world: int, args, ours: bool) -> List[float]:
                     p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9}
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = []
     for step in range(args.steps):
@@ -151,8 +158,10 @@ def main(argv=None) -> float:
         backend = "cpu:gloo,cuda:nccl"  # the reference backend gathers counts on the host
     theirs = spawn(train, args.ranks, args, False, backend=backend)[0]
     ours = spawn(train, args.ranks, args, True, backend=backend)[0]
-    print(f"ranks {args.ranks} ({backend}), experts {args.experts}, top-{args.topk}, hidden {args.hidden}, "
-          f"{args.batch}x{args.seq} tokens per rank, capacity factor {args.capacity_factor}")
+    print(
+        f"ranks {args.ranks} ({backend}), experts {args.experts}, top-{args.topk}, hidden {args.hidden}, "
+        f"{args.batch}x{args.seq} tokens per rank, capacity factor {args.capacity_factor}"
+    )
     print(f"{'step':>4}  {'deepspeed loss':>14}  {'ep_dispatcher loss':>18}  {'|diff|':>8}")
     for step, (a, b) in enumerate(zip(theirs, ours)):
         print(f"{step:>4}  {a:>14.6f}  {b:>18.6f}  {abs(a - b):>8.1e}")

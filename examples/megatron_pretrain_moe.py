@@ -33,17 +33,34 @@ def _build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device)
 
     bf16 = args.dtype == "bf16"
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=2 * args.hidden,
-        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.hidden,
-        moe_token_dispatcher_type=dispatcher_type, expert_model_parallel_size=args.ranks, moe_aux_loss_coeff=1e-2,
-        moe_router_dtype="fp32", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=True)
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=2 * args.hidden,
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.hidden,
+        moe_token_dispatcher_type=dispatcher_type,
+        expert_model_parallel_size=args.ranks,
+        moe_aux_loss_coeff=1e-2,
+        moe_router_dtype="fp32",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True,
+    )
     torch.manual_seed(args.seed)  # same dense weights on every rank and for both dispatchers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False),
-                         vocab_size=args.vocab, max_sequence_length=args.seq)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False),
+            vocab_size=args.vocab,
+            max_sequence_length=args.seq,
+        )
     # Experts differ between EP ranks (each rank holds different experts): re-draw them from a per-rank seed.
     generator = torch.Generator().manual_seed(args.seed + 1000 + ep_rank)
     with torch.no_grad():
@@ -131,8 +148,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--tolerance", type=float, default=None, help="max |loss difference| accepted")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="process-group backend; auto = nccl when there is one GPU per rank, else gloo")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="process-group backend; auto = nccl when there is one GPU per rank, else gloo",
+    )
     args = parser.parse_args(argv)
     if args.experts % args.ranks != 0:
         parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
@@ -143,8 +164,10 @@ def main(argv=None) -> int:
 
     results = spawn(_worker, args.ranks, args, backend=backend)[0]
     deepep, allgather = results["deepep"], results["allgather"]
-    print(f"GPT-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk}, "
-          f"EP={args.ranks} ({backend}), {args.dtype}")
+    print(
+        f"GPT-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk}, "
+        f"EP={args.ranks} ({backend}), {args.dtype}"
+    )
     print(f"{'step':>4}  {'loss deepep':>14}  {'loss allgather':>14}  {'|diff|':>10}")
     for step, (a, b) in enumerate(zip(deepep, allgather)):
         print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.3e}")

@@ -38,8 +38,16 @@ def random_case(seed: int, num_ranks: int, max_tokens: int = 300, hidden_choices
     tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=g)) for _ in range(num_ranks)]
     if num_ranks > 1 and seed % 3 == 0:
         tokens[seed % num_ranks] = 0  # a rank with nothing to send
-    return Case(seed=seed, num_ranks=num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=pick(hidden_choices),
-                tokens_per_rank=tokens, minus_one_fraction=pick((0.0, 0.1, 0.3)), skewed=bool(seed % 2))
+    return Case(
+        seed=seed,
+        num_ranks=num_ranks,
+        num_experts=num_experts,
+        num_topk=num_topk,
+        hidden=pick(hidden_choices),
+        tokens_per_rank=tokens,
+        minus_one_fraction=pick((0.0, 0.1, 0.3)),
+        skewed=bool(seed % 2),
+    )
 
 
 def rank_inputs(case: Case, rank: int):

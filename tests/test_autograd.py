@@ -34,7 +34,7 @@ def _gradcheck_worker(rank: int, world: int) -> bool:
 
     def layer(x_in, bias_in):
         recv_x, _, recv_w, _, handle = ep_autograd.dispatch(buf, x_in, topk_idx, topk_weights, E)
-        y = recv_x * (1.0 + recv_w.sum(1, keepdim=True).double()) + recv_x ** 2
+        y = recv_x * (1.0 + recv_w.sum(1, keepdim=True).double()) + recv_x**2
         return ep_autograd.combine(buf, y, handle, bias=bias_in)
 
     assert torch.autograd.gradcheck(layer, (x.requires_grad_(), bias.requires_grad_()), eps=1e-6, atol=1e-8)
@@ -50,8 +50,9 @@ def _adjoint_worker(rank: int, world: int, seed: int, num_worst_tokens: int) -> 
     x, topk_idx, topk_weights = _inputs(rank, seed, 3 + 4 * rank)
     x.requires_grad_()
     topk_weights.requires_grad_()
-    recv_x, recv_idx, recv_w, _, handle = ep_autograd.dispatch(buf, x, topk_idx, topk_weights, E,
-                                                               num_worst_tokens=num_worst_tokens)
+    recv_x, recv_idx, recv_w, _, handle = ep_autograd.dispatch(
+        buf, x, topk_idx, topk_weights, E, num_worst_tokens=num_worst_tokens
+    )
     g = torch.Generator().manual_seed(seed * 7 + rank)
     cx = torch.randn(recv_x.shape, generator=g, dtype=torch.float64)
     cw = torch.randn(recv_w.shape, generator=g)

@@ -7,26 +7,18 @@ import torch
 import torch.distributed as dist
 
 from ep_dispatcher import Buffer, Config, EventOverlap, per_token_cast_to_fp8
-from ep_dispatcher.launch import free_port
 from tests.dist import run
 
 H, E, N, K, T = 128, 8, 6, 2, 16
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank gloo group in the test process (the checks below happen before any communication)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
 def _buffer(**kwargs) -> Buffer:
-    defaults = dict(num_nvl_bytes=Config().get_nvl_buffer_size_hint(H * 2, 1), low_latency_mode=True,
-                    num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), backend="reference")
+    defaults = dict(
+        num_nvl_bytes=Config().get_nvl_buffer_size_hint(H * 2, 1),
+        low_latency_mode=True,
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E),
+        backend="reference",
+    )
     defaults.update(kwargs)
     return Buffer(None, **defaults)
 
@@ -56,13 +48,16 @@ def test_buffer_needs_initialised_process_group():
         Buffer(None)
 
 
-@pytest.mark.parametrize("kwargs, exc, pattern", [
-    (dict(backend="tpu"), ValueError, r"backend: expected one of .*got 'tpu'"),
-    (dict(num_nvl_bytes=-1), ValueError, r"num_nvl_bytes: expected >= 0, got -1"),
-    (dict(num_rdma_bytes=1.5), TypeError, r"num_rdma_bytes: expected an int"),
-    (dict(timeout_s=0), ValueError, r"timeout_s: expected a positive number"),
-    (dict(num_ranks_per_node=0), ValueError, r"num_ranks_per_node: expected >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, pattern",
+    [
+        (dict(backend="tpu"), ValueError, r"backend: expected one of .*got 'tpu'"),
+        (dict(num_nvl_bytes=-1), ValueError, r"num_nvl_bytes: expected >= 0, got -1"),
+        (dict(num_rdma_bytes=1.5), TypeError, r"num_rdma_bytes: expected an int"),
+        (dict(timeout_s=0), ValueError, r"timeout_s: expected a positive number"),
+        (dict(num_ranks_per_node=0), ValueError, r"num_ranks_per_node: expected >= 1"),
+    ],
+)
 def test_bad_constructor_arguments(group, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         _buffer(**kwargs)
@@ -82,16 +77,22 @@ def test_auto_backend_is_reference_without_gpu(group):
 
 
 # ---------------------------------------------------------------- layout
-@pytest.mark.parametrize("make, exc, pattern", [
-    (lambda t: t.int(), TypeError, r"topk_idx: expected dtype torch.int64, got torch.int32"),
-    (lambda t: t[:, 0], ValueError, r"topk_idx: expected shape \[\*, \*\], got \[6\]"),
-    (lambda t: t.t(), ValueError, r"topk_idx: expected a contiguous tensor"),
-    (lambda t: torch.where(t == 3, torch.full_like(t, E), t), ValueError,
-     r"topk_idx: expected entries in \[-1, 8\) \(-1 = no expert\), got min 0, max 8"),
-    (lambda t: t - 2, ValueError, r"topk_idx: expected entries in \[-1, 8\).*got min -2"),
-    (lambda t: t.repeat(1, 9), ValueError, r"topk_idx: expected 1 <= num_topk <= 16, got num_topk=18"),
-    (lambda t: t.tolist(), TypeError, r"topk_idx: expected a torch.Tensor, got list"),
-])
+@pytest.mark.parametrize(
+    "make, exc, pattern",
+    [
+        (lambda t: t.int(), TypeError, r"topk_idx: expected dtype torch.int64, got torch.int32"),
+        (lambda t: t[:, 0], ValueError, r"topk_idx: expected shape \[\*, \*\], got \[6\]"),
+        (lambda t: t.t(), ValueError, r"topk_idx: expected a contiguous tensor"),
+        (
+            lambda t: torch.where(t == 3, torch.full_like(t, E), t),
+            ValueError,
+            r"topk_idx: expected entries in \[-1, 8\) \(-1 = no expert\), got min 0, max 8",
+        ),
+        (lambda t: t - 2, ValueError, r"topk_idx: expected entries in \[-1, 8\).*got min -2"),
+        (lambda t: t.repeat(1, 9), ValueError, r"topk_idx: expected 1 <= num_topk <= 16, got num_topk=18"),
+        (lambda t: t.tolist(), TypeError, r"topk_idx: expected a torch.Tensor, got list"),
+    ],
+)
 def test_layout_rejects_bad_topk_idx(group, make, exc, pattern):
     _, topk_idx, _ = _routing()
     with pytest.raises(exc, match=pattern):
@@ -133,10 +134,17 @@ def test_dispatch_rejects_bad_payloads(group):
         (x[:, :100].contiguous(), ValueError, r"x: rows must be a multiple of 16 bytes .*hidden=100"),
         (x.to(torch.float8_e4m3fn), TypeError, r"x: an FP8 payload must be passed as a \(data, scales\) pair"),
         ((x.to(torch.float8_e4m3fn), torch.ones((N, 2))), ValueError, r"x\[1\]: expected shape \[6, 1\], got \[6, 2\]"),
-        ((x.to(torch.float8_e4m3fn), torch.ones((N, 1), dtype=torch.float64)), TypeError,
-         r"x\[1\]: expected dtype torch.float32, got torch.float64"),
+        (
+            (x.to(torch.float8_e4m3fn), torch.ones((N, 1), dtype=torch.float64)),
+            TypeError,
+            r"x\[1\]: expected dtype torch.float32, got torch.float64",
+        ),
         ((x, torch.ones((N, 1))), TypeError, r"x\[0\]: expected dtype torch.float8_e4m3fn, got torch.bfloat16"),
-        ((x.to(torch.float8_e4m3fn),), ValueError, r"x: expected a tensor or a \(float8_e4m3fn data, float32 scales\) pair"),
+        (
+            (x.to(torch.float8_e4m3fn),),
+            ValueError,
+            r"x: expected a tensor or a \(float8_e4m3fn data, float32 scales\) pair",
+        ),
     ]
     for bad_x, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -148,22 +156,47 @@ def test_dispatch_rejects_bad_layout_and_topk(group):
     x, topk_idx, topk_weights = _routing()
     layout = _layout(buf, topk_idx)
     bad = [
-        (dict(is_token_in_rank=layout["is_token_in_rank"].int()), TypeError,
-         r"is_token_in_rank: expected dtype torch.bool, got torch.int32"),
+        (
+            dict(is_token_in_rank=layout["is_token_in_rank"].int()),
+            TypeError,
+            r"is_token_in_rank: expected dtype torch.bool, got torch.int32",
+        ),
         (dict(is_token_in_rank=None), TypeError, r"is_token_in_rank: expected a torch.Tensor, got NoneType"),
-        (dict(num_tokens_per_rank=layout["num_tokens_per_rank"].long()), TypeError,
-         r"num_tokens_per_rank: expected dtype torch.int32, got torch.int64"),
-        (dict(num_tokens_per_rank=layout["num_tokens_per_rank"] + 1), ValueError,
-         r"num_tokens_per_rank: expected is_token_in_rank.sum\(0\) = \[6\], got \[7\]"),
-        (dict(topk_weights=topk_weights.double()), TypeError, r"topk_weights: expected dtype torch.float32, got torch.float64"),
-        (dict(topk_weights=topk_weights[:, :1].contiguous()), ValueError, r"topk_weights: expected shape \[6, 2\], got \[6, 1\]"),
-        (dict(topk_weights=None), ValueError, r"topk_weights: expected a tensor \(topk_idx, topk_weights and num_tokens_per_expert go together\)"),
+        (
+            dict(num_tokens_per_rank=layout["num_tokens_per_rank"].long()),
+            TypeError,
+            r"num_tokens_per_rank: expected dtype torch.int32, got torch.int64",
+        ),
+        (
+            dict(num_tokens_per_rank=layout["num_tokens_per_rank"] + 1),
+            ValueError,
+            r"num_tokens_per_rank: expected is_token_in_rank.sum\(0\) = \[6\], got \[7\]",
+        ),
+        (
+            dict(topk_weights=topk_weights.double()),
+            TypeError,
+            r"topk_weights: expected dtype torch.float32, got torch.float64",
+        ),
+        (
+            dict(topk_weights=topk_weights[:, :1].contiguous()),
+            ValueError,
+            r"topk_weights: expected shape \[6, 2\], got \[6, 1\]",
+        ),
+        (
+            dict(topk_weights=None),
+            ValueError,
+            r"topk_weights: expected a tensor \(topk_idx, topk_weights and num_tokens_per_expert go together\)",
+        ),
         (dict(topk_idx=topk_idx[:4].contiguous()), ValueError, r"topk_idx: expected shape \[6, \*\], got \[4, 2\]"),
         (dict(expert_alignment=0), ValueError, r"expert_alignment: expected >= 1, got 0"),
         (dict(num_worst_tokens=-3), ValueError, r"num_worst_tokens: expected >= 0, got -3"),
         (dict(config="fast"), TypeError, r"config: expected an ep_dispatcher.Config or None, got str"),
         (dict(previous_event="now"), TypeError, r"previous_event: expected an EventOverlap or None, got str"),
-        (dict(allocate_on_comm_stream=True), ValueError, r"allocate_on_comm_stream: needs previous_event and async_finish=True"),
+        (
+            dict(allocate_on_comm_stream=True),
+            ValueError,
+            r"allocate_on_comm_stream: needs previous_event and async_finish=True",
+        ),
     ]
     for override, exc, pattern in bad:
         kwargs = dict(topk_idx=topk_idx, topk_weights=topk_weights, **layout)
@@ -176,7 +209,9 @@ def test_dispatch_buffer_too_small(group):
     x, topk_idx, topk_weights = _routing()
     need = Config().get_nvl_buffer_size_hint(H * 2, 1)
     buf = _buffer(num_nvl_bytes=need - 1)
-    with pytest.raises(ValueError, match=rf"num_nvl_bytes: this call needs at least {need} bytes .*num_nvl_bytes={need - 1}"):
+    with pytest.raises(
+        ValueError, match=rf"num_nvl_bytes: this call needs at least {need} bytes .*num_nvl_bytes={need - 1}"
+    ):
         _dispatch(buf, x, topk_idx, topk_weights, config=Config())
 
 
@@ -212,11 +247,22 @@ def test_combine_rejects_bad_inputs(group):
         (dict(x=recv_x[:-1].contiguous()), ValueError, rf"x: expected shape \[{rows}, \*\], got \[{rows - 1}, {H}\]"),
         (dict(x=recv_x.int()), TypeError, r"x: expected dtype"),
         (dict(topk_weights=recv_w.half()), TypeError, r"topk_weights: expected dtype torch.float32, got torch.float16"),
-        (dict(bias=torch.zeros((N + 1, H), dtype=torch.bfloat16)), ValueError, rf"bias: expected shape \[{N}, {H}\], got \[{N + 1}, {H}\]"),
+        (
+            dict(bias=torch.zeros((N + 1, H), dtype=torch.bfloat16)),
+            ValueError,
+            rf"bias: expected shape \[{N}, {H}\], got \[{N + 1}, {H}\]",
+        ),
         (dict(bias=torch.zeros((N, H))), TypeError, r"bias: expected dtype torch.bfloat16, got torch.float32"),
-        (dict(bias=(torch.zeros((N, H), dtype=torch.bfloat16),) * 3), ValueError, r"bias: expected a tensor or a pair of tensors, got 3"),
-        (dict(bias=(torch.zeros((N, H), dtype=torch.bfloat16), torch.zeros((N, 1), dtype=torch.bfloat16))), ValueError,
-         r"bias\[1\]: expected shape"),
+        (
+            dict(bias=(torch.zeros((N, H), dtype=torch.bfloat16),) * 3),
+            ValueError,
+            r"bias: expected a tensor or a pair of tensors, got 3",
+        ),
+        (
+            dict(bias=(torch.zeros((N, H), dtype=torch.bfloat16), torch.zeros((N, 1), dtype=torch.bfloat16))),
+            ValueError,
+            r"bias\[1\]: expected shape",
+        ),
     ]
     for override, exc, pattern in cases:
         kwargs = dict(x=recv_x, handle=handle)
@@ -247,12 +293,19 @@ def test_low_latency_rejects_bad_inputs(group):
     cases = [
         (dict(x=x.float()), TypeError, r"x: expected dtype torch.bfloat16, got torch.float32"),
         (dict(x=x[:, :64].contiguous()), ValueError, r"x: low-latency kernels need hidden % 128 == 0, got hidden=64"),
-        (dict(num_max_dispatch_tokens_per_rank=N - 1), ValueError, rf"x: {N} tokens exceed num_max_dispatch_tokens_per_rank={N - 1}"),
+        (
+            dict(num_max_dispatch_tokens_per_rank=N - 1),
+            ValueError,
+            rf"x: {N} tokens exceed num_max_dispatch_tokens_per_rank={N - 1}",
+        ),
         (dict(use_ue8m0=True), ValueError, r"use_ue8m0: needs round_scale=True"),
         (dict(use_ue8m0=True, round_scale=True), ValueError, r"use_ue8m0: needs hidden % 512 == 0 .*hidden=128"),
         (dict(topk_idx=topk_idx + 7), ValueError, r"topk_idx: expected entries in \[-1, 8\)"),
-        (dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)), ValueError,
-         r"cumulative_local_expert_recv_stats: expected shape \[8\], got \[9\]"),
+        (
+            dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)),
+            ValueError,
+            r"cumulative_local_expert_recv_stats: expected shape \[8\], got \[9\]",
+        ),
     ]
     for override, exc, pattern in cases:
         kwargs = dict(x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=E)
@@ -261,7 +314,10 @@ def test_low_latency_rejects_bad_inputs(group):
             buf.low_latency_dispatch(**kwargs)
 
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
-    with pytest.raises(ValueError, match=r"x: with zero_copy=True, x must be the tensor returned by get_next_low_latency_combine_buffer"):
+    with pytest.raises(
+        ValueError,
+        match=r"x: with zero_copy=True, x must be the tensor returned by get_next_low_latency_combine_buffer",
+    ):
         buf.low_latency_combine(recv_x.clone(), topk_idx, topk_weights, handle, zero_copy=True)
     with pytest.raises(ValueError, match=r"topk_idx: expected shape \[6, 2\] \(as dispatched\), got \[6, 1\]"):
         buf.low_latency_combine(recv_x, topk_idx[:, :1].contiguous(), topk_weights, handle)
@@ -277,10 +333,14 @@ def test_low_latency_hooks_are_bounded_and_single_use(group):
     _, _, _, _, hook_a = buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
     _, _, _, _, hook_b = buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
     assert buf.num_pending_low_latency_hooks == 2
-    with pytest.raises(RuntimeError, match=r"buffer half 0 still holds an earlier call whose hook has not run \(2 pending\)"):
+    with pytest.raises(
+        RuntimeError, match=r"buffer half 0 still holds an earlier call whose hook has not run \(2 pending\)"
+    ):
         buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
     hook_b()  # a newer hook may run first, but the oldest call still holds the half the next call needs
-    with pytest.raises(RuntimeError, match=r"buffer half 0 still holds an earlier call .*\(1 pending\).*oldest pending hook"):
+    with pytest.raises(
+        RuntimeError, match=r"buffer half 0 still holds an earlier call .*\(1 pending\).*oldest pending hook"
+    ):
         buf.low_latency_dispatch(x, topk_idx, T, E)
     hook_a()
     assert buf.num_pending_low_latency_hooks == 0
@@ -308,7 +368,9 @@ def test_low_latency_hook_matches_one_shot(group):
 def test_config_validation_and_hints():
     with pytest.raises(ValueError, match=r"Config.num_sms: expected an even number"):
         Config(num_sms=7)
-    with pytest.raises(ValueError, match=r"Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens"):
+    with pytest.raises(
+        ValueError, match=r"Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens"
+    ):
         Config(20, 300, 256)
     with pytest.raises(ValueError, match=r"hidden_bytes: expected a positive multiple of 16"):
         Config().get_nvl_buffer_size_hint(100, 8)
@@ -316,7 +378,9 @@ def test_config_validation_and_hints():
     assert small > large > 0, "more peers need more ring buffers"
     assert Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
     assert Config().get_rdma_buffer_size_hint(7168 * 2, 16) > 0
-    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > Buffer.get_low_latency_rdma_size_hint(64, 7168, 8, 256)
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > Buffer.get_low_latency_rdma_size_hint(
+        64, 7168, 8, 256
+    )
     with pytest.raises(ValueError, match=r"hidden: low-latency kernels need hidden % 128 == 0"):
         Buffer.get_low_latency_rdma_size_hint(128, 100, 8, 256)
 
@@ -352,7 +416,7 @@ def test_fp8_cast_rules():
     assert torch.equal(s, (amax.float() / 448.0))
     back = q.double().view(9, 4, 128) * s.double().unsqueeze(-1)
     # e4m3 keeps 3 mantissa bits: relative error <= 2**-4, plus the subnormal step near zero.
-    assert bool(((back - xf).abs() <= xf.abs() * 2 ** -4 + s.double().unsqueeze(-1) * 2 ** -9).all())
+    assert bool(((back - xf).abs() <= xf.abs() * 2**-4 + s.double().unsqueeze(-1) * 2**-9).all())
     q2, s2 = per_token_cast_to_fp8(x, round_scale=True)
     assert bool((torch.log2(s2) == torch.log2(s2).round()).all()) and bool((s2 >= s).all()) and bool((s2 < 2 * s).all())
     q3, packed = per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True)

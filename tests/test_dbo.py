@@ -9,11 +9,9 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ep_dispatcher import Buffer
 from ep_dispatcher.dbo import YIELD, DBOScheduleError, MicroBatchOverlap, Recv, Send
-from ep_dispatcher.launch import free_port
 from tests.dist import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +24,7 @@ def _traced_stages(trace: list, layout: str = "after_send") -> list:
     def compute(what):
         def fn(state):
             trace.append((state["mb"], what))
+
         fn.__name__ = what
         return fn
 
@@ -33,44 +32,86 @@ def _traced_stages(trace: list, layout: str = "after_send") -> list:
         def fn(state):
             trace.append((state["mb"], what + "_send"))
             return lambda: trace.append((state["mb"], what + "_hook"))
+
         return Send(what, fn)
 
     if layout == "after_send":
-        return [compute("attn"), send("dispatch"), YIELD, Recv("dispatch"), compute("experts"), send("combine"),
-                YIELD, Recv("combine"), compute("out")]
+        return [
+            compute("attn"),
+            send("dispatch"),
+            YIELD,
+            Recv("dispatch"),
+            compute("experts"),
+            send("combine"),
+            YIELD,
+            Recv("combine"),
+            compute("out"),
+        ]
     # the issue's layout: a YIELD on both sides of each send
-    return [compute("attn"), YIELD, send("dispatch"), YIELD, Recv("dispatch"), compute("experts"), YIELD,
-            send("combine"), YIELD, Recv("combine"), compute("out")]
+    return [
+        compute("attn"),
+        YIELD,
+        send("dispatch"),
+        YIELD,
+        Recv("dispatch"),
+        compute("experts"),
+        YIELD,
+        send("combine"),
+        YIELD,
+        Recv("combine"),
+        compute("out"),
+    ]
 
 
 def _run_traced(num_micro_batches: int, stagger: int = 0, layout: str = "after_send") -> list:
     trace: list = []
     MicroBatchOverlap(_traced_stages(trace, layout), num_micro_batches, stagger).run(
-        [{"mb": i} for i in range(num_micro_batches)])
+        [{"mb": i} for i in range(num_micro_batches)]
+    )
     return trace
 
 
 def test_two_micro_batches_overlap_each_send_with_the_other_compute():
     assert _run_traced(2) == [
-        (0, "attn"), (0, "dispatch_send"),
-        (1, "attn"), (1, "dispatch_send"),  # micro-batch 0's dispatch is in flight during micro-batch 1's attention
-        (0, "dispatch_hook"), (0, "experts"), (0, "combine_send"),  # 1's dispatch in flight during 0's experts
-        (1, "dispatch_hook"), (1, "experts"), (1, "combine_send"),  # 0's combine in flight during 1's experts
-        (0, "combine_hook"), (0, "out"),
-        (1, "combine_hook"), (1, "out")]
+        (0, "attn"),
+        (0, "dispatch_send"),
+        (1, "attn"),
+        (1, "dispatch_send"),  # micro-batch 0's dispatch is in flight during micro-batch 1's attention
+        (0, "dispatch_hook"),
+        (0, "experts"),
+        (0, "combine_send"),  # 1's dispatch in flight during 0's experts
+        (1, "dispatch_hook"),
+        (1, "experts"),
+        (1, "combine_send"),  # 0's combine in flight during 1's experts
+        (0, "combine_hook"),
+        (0, "out"),
+        (1, "combine_hook"),
+        (1, "out"),
+    ]
 
 
 def test_one_micro_batch_is_the_plain_path():
-    assert _run_traced(1) == [(0, w) for w in ("attn", "dispatch_send", "dispatch_hook", "experts", "combine_send",
-                                               "combine_hook", "out")]
+    assert _run_traced(1) == [
+        (0, w) for w in ("attn", "dispatch_send", "dispatch_hook", "experts", "combine_send", "combine_hook", "out")
+    ]
 
 
 def test_stagger_and_three_micro_batches():
     trace = _run_traced(3, stagger=1, layout="both_sides")
     assert [t for t in trace if t[1].endswith("_send") or t[1].endswith("_hook")] == [
-        (0, "dispatch_send"), (0, "dispatch_hook"), (1, "dispatch_send"), (0, "combine_send"), (1, "dispatch_hook"),
-        (2, "dispatch_send"), (0, "combine_hook"), (1, "combine_send"), (2, "dispatch_hook"), (1, "combine_hook"),
-        (2, "combine_send"), (2, "combine_hook")]
+        (0, "dispatch_send"),
+        (0, "dispatch_hook"),
+        (1, "dispatch_send"),
+        (0, "combine_send"),
+        (1, "dispatch_hook"),
+        (2, "dispatch_send"),
+        (0, "combine_hook"),
+        (1, "combine_send"),
+        (2, "dispatch_hook"),
+        (1, "combine_hook"),
+        (2, "combine_send"),
+        (2, "combine_hook"),
+    ]
     plain = [what for _, what in _run_traced(1, layout="both_sides")]
     for mb in range(3):  # each micro-batch still runs all of its stages, in its own order
         assert [what for m, what in trace if m == mb] == plain
@@ -86,6 +127,7 @@ def _send(name: str, calls: list | None = None) -> Send:
         if calls is not None:
             calls.append(name)
         return lambda: None
+
     return Send(name, fn)
 
 
@@ -93,47 +135,84 @@ def test_third_call_in_flight_is_refused_before_anything_runs():
     calls: list = []
     stages = [_noop, _send("dispatch", calls), YIELD, Recv("dispatch"), _noop]
     MicroBatchOverlap(stages, 2)  # two in flight: fine
-    with pytest.raises(DBOScheduleError, match=r"^micro-batch 2, stages\[1\] Send\('dispatch'\): would put a third "
-                       r"low-latency call in flight while micro-batch 0 stages\[1\] Send\('dispatch'\), micro-batch 1 "
-                       r"stages\[1\] Send\('dispatch'\) still wait for their receive; the Buffer has only 2"):
+    with pytest.raises(
+        DBOScheduleError,
+        match=r"^micro-batch 2, stages\[1\] Send\('dispatch'\): would put a third "
+        r"low-latency call in flight while micro-batch 0 stages\[1\] Send\('dispatch'\), micro-batch 1 "
+        r"stages\[1\] Send\('dispatch'\) still wait for their receive; the Buffer has only 2",
+    ):
         MicroBatchOverlap(stages, 3)
     with pytest.raises(DBOScheduleError, match=r"micro-batch 0, stages\[2\] Send\('c'\): would put a third"):
         MicroBatchOverlap([_send("a"), _send("b"), _send("c"), Recv("a"), Recv("b"), Recv("c")], 1)
     assert calls == []
 
 
-@pytest.mark.parametrize("stages, num_micro_batches, pattern", [
-    ([_send("dispatch"), YIELD, Recv("dispatch"), Recv("dispatch")], 2,
-     (r"^micro-batch 0, stages\[3\] Recv\('dispatch'\): hook called twice: this micro-batch's Send\('dispatch'\) was "
-     r"already received by stages\[2\] Recv\('dispatch'\); each hook runs exactly once")),
-    ([_send("dispatch"), _send("combine"), Recv("combine"), Recv("dispatch")], 1,
-     (r"^micro-batch 0, stages\[2\] Recv\('combine'\): out of order: this micro-batch's older stages\[0\] "
-     r"Send\('dispatch'\) is still pending; receives run in the order their sends were issued")),
-    ([_send("shared"), Recv("shared"), _send("dispatch"), YIELD, Recv("dispatch")], 2,
-     (r"^micro-batch 1, stages\[1\] Recv\('shared'\): out of order: micro-batch 0's stages\[2\] Send\('dispatch'\) "
-     r"was issued earlier and is still pending; .*would overwrite the older call's unread half")),
-    ([Recv("dispatch"), _noop], 2,
-     r"^micro-batch 0, stages\[0\] Recv\('dispatch'\): no pending Send\('dispatch'\) of this micro-batch"),
-    ([_noop, _send("dispatch"), YIELD, _noop], 2,
-     (r"^stages: micro-batch 0 stages\[1\] Send\('dispatch'\), micro-batch 1 stages\[1\] Send\('dispatch'\) never "
-     r"received")),
-])
+@pytest.mark.parametrize(
+    "stages, num_micro_batches, pattern",
+    [
+        (
+            [_send("dispatch"), YIELD, Recv("dispatch"), Recv("dispatch")],
+            2,
+            (
+                r"^micro-batch 0, stages\[3\] Recv\('dispatch'\): hook called twice: this micro-batch's Send\('dispatch'\) was "  # noqa: E501
+                r"already received by stages\[2\] Recv\('dispatch'\); each hook runs exactly once"
+            ),
+        ),
+        (
+            [_send("dispatch"), _send("combine"), Recv("combine"), Recv("dispatch")],
+            1,
+            (
+                r"^micro-batch 0, stages\[2\] Recv\('combine'\): out of order: this micro-batch's older stages\[0\] "
+                r"Send\('dispatch'\) is still pending; receives run in the order their sends were issued"
+            ),
+        ),
+        (
+            [_send("shared"), Recv("shared"), _send("dispatch"), YIELD, Recv("dispatch")],
+            2,
+            (
+                r"^micro-batch 1, stages\[1\] Recv\('shared'\): out of order: micro-batch 0's stages\[2\] Send\('dispatch'\) "  # noqa: E501
+                r"was issued earlier and is still pending; .*would overwrite the older call's unread half"
+            ),
+        ),
+        (
+            [Recv("dispatch"), _noop],
+            2,
+            r"^micro-batch 0, stages\[0\] Recv\('dispatch'\): no pending Send\('dispatch'\) of this micro-batch",
+        ),
+        (
+            [_noop, _send("dispatch"), YIELD, _noop],
+            2,
+            (
+                r"^stages: micro-batch 0 stages\[1\] Send\('dispatch'\), micro-batch 1 stages\[1\] Send\('dispatch'\) never "  # noqa: E501
+                r"received"
+            ),
+        ),
+    ],
+)
 def test_order_errors(stages, num_micro_batches, pattern):
     with pytest.raises(DBOScheduleError, match=pattern):
         MicroBatchOverlap(stages, num_micro_batches)
 
 
-@pytest.mark.parametrize("stages, kwargs, exc, pattern", [
-    ([YIELD, _noop], {}, ValueError, r"^stages\[0\]: the stage list starts with YIELD"),
-    ([_noop, YIELD, YIELD, _noop], {}, ValueError, r"^stages\[2\]: the stage list has two YIELDs in a row"),
-    ([_noop, YIELD], {}, ValueError, r"^stages\[1\]: the stage list ends with YIELD"),
-    ([], {}, ValueError, r"^stages: the stage list is empty"),
-    ([_noop, 3], {}, TypeError, r"^stages\[1\]: expected a callable, Send, Recv or YIELD, got int \(3\)"),
-    ([Send("dispatch", None)], {}, TypeError, r"^stages\[0\] Send\('dispatch'\): fn must be callable, got NoneType"),
-    ("attn", {}, TypeError, r"^stages: expected a list of stages, got str"),
-    ([_noop], {"num_micro_batches": 0}, ValueError, r"^num_micro_batches: expected an int >= 1, got 0"),
-    ([_noop], {"stagger": -1}, ValueError, r"^stagger: expected an int >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "stages, kwargs, exc, pattern",
+    [
+        ([YIELD, _noop], {}, ValueError, r"^stages\[0\]: the stage list starts with YIELD"),
+        ([_noop, YIELD, YIELD, _noop], {}, ValueError, r"^stages\[2\]: the stage list has two YIELDs in a row"),
+        ([_noop, YIELD], {}, ValueError, r"^stages\[1\]: the stage list ends with YIELD"),
+        ([], {}, ValueError, r"^stages: the stage list is empty"),
+        ([_noop, 3], {}, TypeError, r"^stages\[1\]: expected a callable, Send, Recv or YIELD, got int \(3\)"),
+        (
+            [Send("dispatch", None)],
+            {},
+            TypeError,
+            r"^stages\[0\] Send\('dispatch'\): fn must be callable, got NoneType",
+        ),
+        ("attn", {}, TypeError, r"^stages: expected a list of stages, got str"),
+        ([_noop], {"num_micro_batches": 0}, ValueError, r"^num_micro_batches: expected an int >= 1, got 0"),
+        ([_noop], {"stagger": -1}, ValueError, r"^stagger: expected an int >= 0, got -1"),
+    ],
+)
 def test_bad_stage_lists(stages, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         MicroBatchOverlap(stages, **kwargs)
@@ -146,32 +225,31 @@ def test_run_errors():
         scheduler.run([{}])
     with pytest.raises(TypeError, match=r"^states: expected a sequence of 2 micro-batch states, got dict"):
         scheduler.run({})
-    with pytest.raises(TypeError, match=r"^micro-batch 0, stages\[0\] Send\('dispatch'\): fn must return the receive "
-                       r"hook of a low-latency call made with return_recv_hook=True, got NoneType"):
+    with pytest.raises(
+        TypeError,
+        match=r"^micro-batch 0, stages\[0\] Send\('dispatch'\): fn must return the receive "
+        r"hook of a low-latency call made with return_recv_hook=True, got NoneType",
+    ):
         scheduler.run([{}, {}])
     stale = {"hook": lambda: None}  # e.g. a state dict shared by mistake: both micro-batches return one hook
-    with pytest.raises(DBOScheduleError, match=r"^micro-batch 1, stages\[0\] Send\('dispatch'\): hook called twice: "
-                       r"fn returned the hook already returned by micro-batch 0, stages\[0\] Send\('dispatch'\)"):
+    with pytest.raises(
+        DBOScheduleError,
+        match=r"^micro-batch 1, stages\[0\] Send\('dispatch'\): hook called twice: "
+        r"fn returned the hook already returned by micro-batch 0, stages\[0\] Send\('dispatch'\)",
+    ):
         scheduler.run([stale, stale])
 
 
 H, E, T = 128, 8, 8
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank gloo group in the test process."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
 def test_hook_called_by_the_stage_itself_is_reported_with_its_stage(group):
-    buffer = Buffer(None, low_latency_mode=True, backend="reference",
-                    num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E))
+    buffer = Buffer(
+        None,
+        low_latency_mode=True,
+        backend="reference",
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E),
+    )
     g = torch.Generator().manual_seed(11)
     x = torch.randn((4, H), generator=g).to(torch.bfloat16)
     topk_idx = torch.rand((4, E), generator=g).argsort(dim=1)[:, :2].contiguous()
@@ -182,25 +260,31 @@ def test_hook_called_by_the_stage_itself_is_reported_with_its_stage(group):
         return hook
 
     scheduler = MicroBatchOverlap([Send("dispatch", dispatch_send), YIELD, Recv("dispatch")], 1)
-    with pytest.raises(DBOScheduleError, match=r"^micro-batch 0, stages\[2\] Recv\('dispatch'\): the receive hook of "
-                       r"micro-batch 0, stages\[0\] Send\('dispatch'\) failed: hook: already called") as info:
+    with pytest.raises(
+        DBOScheduleError,
+        match=r"^micro-batch 0, stages\[2\] Recv\('dispatch'\): the receive hook of "
+        r"micro-batch 0, stages\[0\] Send\('dispatch'\) failed: hook: already called",
+    ) as info:
         scheduler.run([{}])
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
 # ---------------------------------------------------------------- bit-exact over Buffer, 2 and 4 ranks
-def _moe_stages(buffer: Buffer, num_experts: int, max_tokens: int, topk: int, use_fp8: bool, scale: torch.Tensor,
-                layout: str) -> list:
+def _moe_stages(
+    buffer: Buffer, num_experts: int, max_tokens: int, topk: int, use_fp8: bool, scale: torch.Tensor, layout: str
+) -> list:
     """Two MoE layers over ``Buffer.low_latency_*``; every op is row-wise, so any split of the batch is exact."""
+
     def route(state):
         x = state["x"]
-        scores = x.float()[:, :num_experts] + x.float()[:, num_experts:2 * num_experts].sin()
+        scores = x.float()[:, :num_experts] + x.float()[:, num_experts : 2 * num_experts].sin()
         weights, idx = torch.softmax(scores, -1).topk(topk, -1)
         state.update(topk_idx=idx.contiguous(), topk_weights=weights.contiguous())
 
     def dispatch(state):
-        recv_x, _, handle, _, hook = buffer.low_latency_dispatch(state["x"], state["topk_idx"], max_tokens,
-                                                                     num_experts, use_fp8=use_fp8, return_recv_hook=True)
+        recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
+            state["x"], state["topk_idx"], max_tokens, num_experts, use_fp8=use_fp8, return_recv_hook=True
+        )
         state.update(recv_x=recv_x, handle=handle)
         return hook
 
@@ -215,8 +299,9 @@ def _moe_stages(buffer: Buffer, num_experts: int, max_tokens: int, topk: int, us
         state["y"] = torch.tanh(x * scale[:, None, None]).to(torch.bfloat16)
 
     def combine(state):
-        out, _, hook = buffer.low_latency_combine(state.pop("y"), state["topk_idx"], state["topk_weights"],
-                                                  state.pop("handle"), return_recv_hook=True)
+        out, _, hook = buffer.low_latency_combine(
+            state.pop("y"), state["topk_idx"], state["topk_weights"], state.pop("handle"), return_recv_hook=True
+        )
         state["moe"] = out
         return hook
 
@@ -224,19 +309,42 @@ def _moe_stages(buffer: Buffer, num_experts: int, max_tokens: int, topk: int, us
         state["x"] = (state["x"].float() + state.pop("moe").float()).to(torch.bfloat16)
 
     if layout == "after_send":
-        layer = [route, Send("dispatch", dispatch), YIELD, Recv("dispatch"), experts, Send("combine", combine), YIELD,
-                 Recv("combine"), residual]
+        layer = [
+            route,
+            Send("dispatch", dispatch),
+            YIELD,
+            Recv("dispatch"),
+            experts,
+            Send("combine", combine),
+            YIELD,
+            Recv("combine"),
+            residual,
+        ]
     else:
-        layer = [route, YIELD, Send("dispatch", dispatch), YIELD, Recv("dispatch"), experts, YIELD,
-                 Send("combine", combine), YIELD, Recv("combine"), residual]
+        layer = [
+            route,
+            YIELD,
+            Send("dispatch", dispatch),
+            YIELD,
+            Recv("dispatch"),
+            experts,
+            YIELD,
+            Send("combine", combine),
+            YIELD,
+            Recv("combine"),
+            residual,
+        ]
     return layer + ([YIELD] if layout != "after_send" else []) + layer
 
 
 def _no_hook_reference(buffer, x, num_experts, max_tokens, topk, use_fp8, scale):
     """The same two layers with plain ``low_latency_*`` calls (no hooks, no scheduler)."""
     state = {"x": x}
-    stages = [s for s in _moe_stages(buffer, num_experts, max_tokens, topk, use_fp8, scale, "after_send")
-              if s is not YIELD and not isinstance(s, Recv)]
+    stages = [
+        s
+        for s in _moe_stages(buffer, num_experts, max_tokens, topk, use_fp8, scale, "after_send")
+        if s is not YIELD and not isinstance(s, Recv)
+    ]
     for stage in stages:
         if isinstance(stage, Send):
             stage.fn(state)()
@@ -247,9 +355,13 @@ def _no_hook_reference(buffer, x, num_experts, max_tokens, topk, use_fp8, scale)
 
 def _bit_exact_rank(rank: int, world: int, seed: int) -> None:
     num_experts, max_tokens, topk = 4 * world, 12, 3
-    buffer = Buffer(None, low_latency_mode=True, backend="reference",
-                    num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(max_tokens, H, world, num_experts))
-    scale = torch.linspace(0.5, 2.0, num_experts)[rank * 4:(rank + 1) * 4]
+    buffer = Buffer(
+        None,
+        low_latency_mode=True,
+        backend="reference",
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(max_tokens, H, world, num_experts),
+    )
+    scale = torch.linspace(0.5, 2.0, num_experts)[rank * 4 : (rank + 1) * 4]
     num_tokens = [max_tokens, 7, 1, 0][rank % 4]  # uneven, one micro-batch empty on rank 2, no tokens on rank 3
     g = torch.Generator().manual_seed(seed * 100 + rank)
     x = torch.randn((num_tokens, H), generator=g).to(torch.bfloat16)
@@ -273,9 +385,29 @@ def test_overlap_equals_plain_bit_exactly(world):
 
 # ---------------------------------------------------------------- the example
 def test_example_runs_and_checks_bit_exactness():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "dbo_decode.py"), "--ranks", "2",
-                           "--tokens", "8", "--layers", "2", "--steps", "1", "--hidden", "128", "--ffn", "64"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "examples", "dbo_decode.py"),
+            "--ranks",
+            "2",
+            "--tokens",
+            "8",
+            "--layers",
+            "2",
+            "--steps",
+            "1",
+            "--hidden",
+            "128",
+            "--ffn",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tokens/s" in proc.stdout and "plain (1 micro-batch)" in proc.stdout
     assert "max |overlap - plain| over all tokens: 0.000e+00 (must be exactly 0) -> OK" in proc.stdout

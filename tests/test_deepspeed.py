@@ -107,8 +107,9 @@ def assert_same(expected, got) -> None:
                 torch.testing.assert_close(gp_o[name], gp_e[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _compare_case(rank: int, world: int, cfg: dict, num_tokens: int, expect_drops: bool, used_token_frac: float,
-                  eval_mode: bool) -> int:
+def _compare_case(
+    rank: int, world: int, cfg: dict, num_tokens: int, expect_drops: bool, used_token_frac: float, eval_mode: bool
+) -> int:
     theirs, ours = build_pair(rank, world, cfg)
     assert type(ours.deepspeed_moe) is ep_ds.EPMOELayer and type(theirs.deepspeed_moe) is MOELayer
     if eval_mode:
@@ -139,8 +140,14 @@ CASES = {
     "k1_jitter_used_token": (2, dict(k=1, noisy_gate_policy="Jitter", capacity_factor=4.0), 32, False, 0.25, False),
     "k1_ep4_drops_no_rts": (4, dict(k=1, capacity_factor=0.5, use_rts=False), 32, True, 0.0, False),
     "k2_sampling_drops": (2, dict(k=2, capacity_factor=0.5), 32, True, 0.0, False),
-    "k2_no_sampling_nodrop_ep4": (4, dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False), 24, False, 0.0,
-                                  False),
+    "k2_no_sampling_nodrop_ep4": (
+        4,
+        dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False),
+        24,
+        False,
+        0.0,
+        False,
+    ),
     "k2_residual_ep4_drops": (4, dict(k=2, capacity_factor=0.5, use_residual=True), 32, True, 0.0, False),
     "k4_drops_ep4": (4, dict(k=4, capacity_factor=0.5), 32, True, 0.0, False),
     "k4_nodrop": (2, dict(k=4, drop_tokens=False), 32, False, 0.0, False),
@@ -171,8 +178,10 @@ class TinyModel(nn.Module):
     def __init__(self, moe_cls, world: int, num_layers: int = 2):
         super().__init__()
         self.inp = nn.Linear(H, H)
-        self.moes = nn.ModuleList(moe_cls(H, make_expert(), num_experts=E, ep_size=world, k=2, min_capacity=0,
-                                          capacity_factor=0.75) for _ in range(num_layers))
+        self.moes = nn.ModuleList(
+            moe_cls(H, make_expert(), num_experts=E, ep_size=world, k=2, min_capacity=0, capacity_factor=0.75)
+            for _ in range(num_layers)
+        )
         self.out = nn.Linear(H, H)
 
     def forward(self, x):
@@ -234,7 +243,7 @@ def _engine_worker(rank: int, world: int, ours: bool, num_steps: int) -> list:
     for moe in model.moes:
         seed_experts(moe, rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6}
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "steps_per_print": 10**6}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = []
     for step in range(num_steps):

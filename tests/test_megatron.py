@@ -97,9 +97,18 @@ def test_expert_major_order_matches_brute_force():
 def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    args = {"num_layers": 1, "hidden_size": HIDDEN, "num_attention_heads": 2, "num_moe_experts": NUM_EXPERTS,
-            "moe_router_topk": TOPK, "moe_ffn_hidden_size": FFN, "use_cpu_initialization": True,
-            "moe_aux_loss_coeff": 0.0, "add_bias_linear": False, "moe_token_dispatcher_type": "deepep"}
+    args = {
+        "num_layers": 1,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 2,
+        "num_moe_experts": NUM_EXPERTS,
+        "moe_router_topk": TOPK,
+        "moe_ffn_hidden_size": FFN,
+        "use_cpu_initialization": True,
+        "moe_aux_loss_coeff": 0.0,
+        "add_bias_linear": False,
+        "moe_token_dispatcher_type": "deepep",
+    }
     args.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,8 +135,13 @@ def test_config_rejects_what_deepep_does_not_support():
         _config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     # Megatron's own rules still apply to the flipped config.
     with pytest.raises(AssertionError, match="disable moe_shared_expert_overlap"):
-        _config(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2, bf16=True,
-                moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True)
+        _config(
+            overlap_moe_expert_parallel_comm=True,
+            expert_model_parallel_size=2,
+            bf16=True,
+            moe_shared_expert_intermediate_size=FFN,
+            moe_shared_expert_overlap=True,
+        )
 
 
 @requires_megatron
@@ -150,19 +164,22 @@ def test_should_free_input_follows_flex_deepep_policy():
     flex = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     for name in ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine"):
         for num_local_experts in (1, 4):
-            assert utils.should_free_input(name, True, ours, num_local_experts) == \
-                utils.should_free_input(name, True, flex, num_local_experts), name
+            assert utils.should_free_input(name, True, ours, num_local_experts) == utils.should_free_input(
+                name, True, flex, num_local_experts
+            ), name
     # The dispatch node's input aliases the router's input: it must survive the forward.
     assert utils.should_free_input("moe_dispatch", True, ours, 4) is False
     assert ours.moe_token_dispatcher_type == "deepep"  # restored after the query
 
 
 def test_import_ep_dispatcher_never_imports_megatron():
-    code = ("import sys; import ep_dispatcher; assert 'megatron' not in sys.modules; "
-            "sys.modules['megatron'] = None; import ep_dispatcher.megatron as m; assert not m.is_installed(); "
-            "from ep_dispatcher.megatron.routing import routing_to_topk\n"
-            "try:\n    m.install()\nexcept ImportError as e:\n    assert 'megatron-core is not importable' in str(e)\n"
-            "else:\n    raise SystemExit('install() without megatron must raise ImportError')")
+    code = (
+        "import sys; import ep_dispatcher; assert 'megatron' not in sys.modules; "
+        "sys.modules['megatron'] = None; import ep_dispatcher.megatron as m; assert not m.is_installed(); "
+        "from ep_dispatcher.megatron.routing import routing_to_topk\n"
+        "try:\n    m.install()\nexcept ImportError as e:\n    assert 'megatron-core is not importable' in str(e)\n"
+        "else:\n    raise SystemExit('install() without megatron must raise ImportError')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -181,8 +198,13 @@ def _setup_rank(tp: int, ep: int) -> None:
 def _build_moe_layer(dispatcher_type: str, tp: int, ep: int, seed: int, **overrides):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    config = _config(moe_token_dispatcher_type=dispatcher_type, expert_model_parallel_size=ep,
-                     tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **overrides)
+    config = _config(
+        moe_token_dispatcher_type=dispatcher_type,
+        expert_model_parallel_size=ep,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        **overrides,
+    )
     torch.manual_seed(seed)  # same seed on every rank and for both dispatchers: identical weights
     return get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)(config=config)
 
@@ -214,8 +236,9 @@ def _layer_worker(rank: int, world: int, tp: int, cases: list) -> dict:
     for seed, case in enumerate(cases):
         overrides = dict(LAYER_CASES[case])
         ours_type = overrides.pop("moe_token_dispatcher_type", "deepep")
-        reference = _build_moe_layer("allgather", tp, ep, seed, **{k: v for k, v in overrides.items()
-                                                                   if k != "moe_flex_dispatcher_backend"})
+        reference = _build_moe_layer(
+            "allgather", tp, ep, seed, **{k: v for k, v in overrides.items() if k != "moe_flex_dispatcher_backend"}
+        )
         ours = _build_moe_layer(ours_type, tp, ep, seed, **overrides)
         assert isinstance(ours.token_dispatcher, EPDispatcherTokenDispatcher), type(ours.token_dispatcher)
         ref_out, ref_dx, ref_grads = _run_layer(reference, rank, seed)
@@ -230,8 +253,10 @@ def _layer_worker(rank: int, world: int, tp: int, cases: list) -> dict:
         for name in grads:
             assert grads[name] is not None, name
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=LAYER_RTOL, atol=LAYER_ATOL, msg=name)
-        worst[case] = max([float((out - ref_out).abs().max()), float((dx - ref_dx).abs().max())]
-                          + [float((grads[n] - ref_grads[n]).abs().max()) for n in grads])
+        worst[case] = max(
+            [float((out - ref_out).abs().max()), float((dx - ref_dx).abs().max())]
+            + [float((grads[n] - ref_grads[n]).abs().max()) for n in grads]
+        )
         if case == "softmax":
             _round_trip(ours.token_dispatcher, rank, tp)
     return worst
@@ -249,18 +274,23 @@ def _round_trip(dispatcher, rank: int, tp: int) -> None:
     expert_input, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(tokens, dispatched_probs)
     assert tokens_per_expert.device.type == "cpu" and int(tokens_per_expert.sum()) == expert_input.size(0)
     restored = dispatcher.combine_postprocess(
-        dispatcher.token_combine(dispatcher.combine_preprocess(expert_input * permuted_probs.unsqueeze(-1))))
+        dispatcher.token_combine(dispatcher.combine_preprocess(expert_input * permuted_probs.unsqueeze(-1)))
+    )
     torch.testing.assert_close(restored, x.detach() * tp, rtol=1e-6, atol=1e-6)  # k fp32 products summed
     restored.backward(x.detach())
     torch.testing.assert_close(x.grad, x.detach() * tp, rtol=1e-6, atol=1e-6)
 
 
 @requires_megatron
-@pytest.mark.parametrize("world, tp, cases", [
-    (2, 1, ["softmax", "sigmoid_dropping", "shared_expert", "flex_deepep"]),
-    (4, 1, ["softmax", "sigmoid_dropping"]),
-    (4, 2, ["softmax", "shared_expert"]),
-], ids=["ep2", "ep4", "tp2xep2"])
+@pytest.mark.parametrize(
+    "world, tp, cases",
+    [
+        (2, 1, ["softmax", "sigmoid_dropping", "shared_expert", "flex_deepep"]),
+        (4, 1, ["softmax", "sigmoid_dropping"]),
+        (4, 2, ["softmax", "shared_expert"]),
+    ],
+    ids=["ep2", "ep4", "tp2xep2"],
+)
 def test_moe_layer_matches_allgather(world, tp, cases):
     results = run(_layer_worker, world, tp, cases)
     assert all(set(r) == set(cases) for r in results)
@@ -301,10 +331,20 @@ def _build_gpt(dispatcher_type: str, ep: int, overlap: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = _config(moe_token_dispatcher_type=dispatcher_type, expert_model_parallel_size=ep, num_layers=2,
-                     hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, bf16=True,
-                     overlap_moe_expert_parallel_comm=overlap, masked_softmax_fusion=False, hidden_dropout=0.0,
-                     attention_dropout=0.0, moe_aux_loss_coeff=0.0)
+    config = _config(
+        moe_token_dispatcher_type=dispatcher_type,
+        expert_model_parallel_size=ep,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        bf16=True,
+        overlap_moe_expert_parallel_comm=overlap,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_aux_loss_coeff=0.0,
+    )
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
     with warnings.catch_warnings():
@@ -341,8 +381,11 @@ def _overlap_worker(rank: int, world: int) -> float:
                 loss.float().sum().backward()
                 losses.append(loss)
         results[mode] = ([t.detach().float() for t in losses], {n: p.grad for n, p in model.named_parameters()})
-    (ref_losses, _), (plain_losses, plain_grads), (losses, grads) = \
-        results["allgather"], results["plain"], results["overlap"]
+    (ref_losses, _), (plain_losses, plain_grads), (losses, grads) = (
+        results["allgather"],
+        results["plain"],
+        results["overlap"],
+    )
     for a, b in zip(plain_losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # same bf16 ops in the same order as allgather (observed)
     # The schedule reorders micro-batches, not the ops inside one: losses and gradients are bit-identical.

@@ -16,14 +16,33 @@ try:
 except Exception as e:  # noqa: BLE001  (ImportError, or a broken dependency such as triton raising anything)
     MEGATRON_SKIP_REASON = f"megatron-core is not importable: {type(e).__name__}: {e}"
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                       "megatron_pretrain_moe.py")
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_pretrain_moe.py"
+)
 
 
 @pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
 def test_example_trains_and_matches_allgather():
-    command = [sys.executable, EXAMPLE, "--ranks", "2", "--steps", "3", "--layers", "1", "--hidden", "32",
-               "--experts", "4", "--seq", "16", "--vocab", "64", "--backend", "gloo"]
+    command = [
+        sys.executable,
+        EXAMPLE,
+        "--ranks",
+        "2",
+        "--steps",
+        "3",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--experts",
+        "4",
+        "--seq",
+        "16",
+        "--vocab",
+        "64",
+        "--backend",
+        "gloo",
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -37,8 +37,14 @@ def _check_normal(case: rc.Case, me: int) -> None:
     # Dispatch (BF16), bit-exact, with the per-expert list and the handle.
     alignment = 1 + case.seed % 4
     recv_x, recv_topk, recv_w, counts, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment)
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        expert_alignment=alignment,
+    )
     exp_x, exp_topk, exp_w, exp_src, exp_counts = rc.expected_dispatch(case, me, inputs)
     assert torch.equal(recv_x, exp_x)
     assert torch.equal(recv_topk, exp_topk)
@@ -55,8 +61,12 @@ def _check_normal(case: rc.Case, me: int) -> None:
     g = torch.Generator().manual_seed(case.seed + 7)
     biases = [torch.randn((x.size(0), case.hidden), generator=g).to(torch.bfloat16) for _ in range(2)]
     use_bias = biases[: case.seed % 3]
-    combined, combined_w, _ = buf.combine(rc.expert_fn(me, recv_x), handle, topk_weights=recv_w,
-                                          bias=tuple(use_bias) if len(use_bias) == 2 else (use_bias[0] if use_bias else None))
+    combined, combined_w, _ = buf.combine(
+        rc.expert_fn(me, recv_x),
+        handle,
+        topk_weights=recv_w,
+        bias=tuple(use_bias) if len(use_bias) == 2 else (use_bias[0] if use_bias else None),
+    )
     exp_combined, exp_weights = rc.expected_combine(case, me, inputs, use_bias)
     assert torch.equal(combined, exp_combined)
     assert torch.equal(combined_w, exp_weights)  # summing back rebuilds the original (masked) weights
@@ -70,7 +80,9 @@ def _check_normal(case: rc.Case, me: int) -> None:
     # FP8 tuple: data and scales travel together.
     if case.hidden % 128 == 0:
         x_fp8, scales = per_token_cast_to_fp8(x)
-        (rf8, rsc), _, _, _, h8, _ = buf.dispatch((x_fp8, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+        (rf8, rsc), _, _, _, h8, _ = buf.dispatch(
+            (x_fp8, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank
+        )
         exp_f8, exp_sc = per_token_cast_to_fp8(exp_x) if exp_x.size(0) else (exp_x.to(torch.float8_e4m3fn), None)
         assert torch.equal(rf8.view(torch.uint8), exp_f8.view(torch.uint8))
         if exp_sc is not None:
@@ -80,8 +92,14 @@ def _check_normal(case: rc.Case, me: int) -> None:
     # num_worst_tokens: padded outputs, no host list, padding rows marked -1, combine accepts padded rows.
     worst = sum(case.tokens_per_rank) + 3
     wx, wtopk, ww, wlist, wh, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst)
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        num_worst_tokens=worst,
+    )
     n = exp_x.size(0)
     assert wx.size(0) == worst and wlist == []
     assert torch.equal(wx[:n], exp_x) and torch.equal(wtopk[:n], exp_topk) and torch.equal(ww[:n], exp_w)
@@ -110,8 +128,16 @@ def _check_low_latency(case: rc.Case, me: int) -> None:
     use_ue8m0 = round_scale and case.hidden % 512 == 0 and case.seed % 4 == 1
     stats = torch.full((local,), 5, dtype=torch.int32)
     recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-        x, topk_idx, LL_MAX_TOKENS, case.num_experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-        return_recv_hook=True, cumulative_local_expert_recv_stats=stats)
+        x,
+        topk_idx,
+        LL_MAX_TOKENS,
+        case.num_experts,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=use_ue8m0,
+        return_recv_hook=True,
+        cumulative_local_expert_recv_stats=stats,
+    )
     assert bool((stats == 5).all()), "the receive phase must not run before the hook"
     hook()
     with pytest.raises(RuntimeError, match="already called"):
@@ -122,7 +148,7 @@ def _check_low_latency(case: rc.Case, me: int) -> None:
     for e in range(local):
         for slot, (src, t) in enumerate(layout[e]):
             assert int(handle.src_info[e, slot]) == t
-        assert bool((handle.src_info[e, len(layout[e]):] == -1).all())
+        assert bool((handle.src_info[e, len(layout[e]) :] == -1).all())
         for src in range(world):
             begin = sum(1 for s, _ in layout[e] if s < src)
             count = sum(1 for s, _ in layout[e] if s == src)
@@ -159,8 +185,9 @@ def _check_low_latency(case: rc.Case, me: int) -> None:
     else:
         y_in = y_mine
     out = torch.full((x.size(0), case.hidden), float("nan"), dtype=torch.bfloat16)
-    combined, _, chook = buf.low_latency_combine(y_in, topk_idx, topk_weights, handle, zero_copy=zero_copy,
-                                                 return_recv_hook=case.seed % 3 == 0, out=out)
+    combined, _, chook = buf.low_latency_combine(
+        y_in, topk_idx, topk_weights, handle, zero_copy=zero_copy, return_recv_hook=case.seed % 3 == 0, out=out
+    )
     if chook is not None:
         chook()
     assert combined is out

@@ -23,14 +23,24 @@ _COMBINE_DTYPES = (torch.bfloat16, torch.float32)  # dtypes the combine kernel s
 class CudaBackend(ReferenceBackend):
     name = "cuda"
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, num_nvl_bytes: int = 0,
-                 timeout_s: float = 100.0, **engine_options):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        num_ranks: int,
+        num_ranks_per_node: int,
+        num_nvl_bytes: int = 0,
+        timeout_s: float = 100.0,
+        **engine_options,
+    ):
         super().__init__(group, rank, num_ranks, num_ranks_per_node)
         self.timeout_ns = int(timeout_s * 1e9)
         self.ipc: Optional["_C.IpcBuffer"] = None
         if num_nvl_bytes > 0 and num_ranks <= num_ranks_per_node:
             if num_ranks > _C.INTRANODE_MAX_RANKS:
-                raise ValueError(f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {num_ranks}")
+                raise ValueError(
+                    f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {num_ranks}"
+                )
             device = torch.cuda.current_device()
             self.ipc = _C.IpcBuffer(rank, num_ranks, num_nvl_bytes, device)
             handles: List[bytes] = [b""] * num_ranks
@@ -59,17 +69,41 @@ class CudaBackend(ReferenceBackend):
     def _uses_engine(self, x: torch.Tensor) -> bool:
         return self.ipc is not None and x.is_cuda
 
-    def dispatch(self, x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts,
-                 expert_alignment, num_worst_tokens, buffer_id, config=None, num_tokens_per_expert=None):
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        is_token_in_rank,
+        num_tokens_per_rank,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        expert_alignment,
+        num_worst_tokens,
+        buffer_id,
+        config=None,
+        num_tokens_per_expert=None,
+    ):
         if not self._uses_engine(x):
-            return super().dispatch(x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts,
-                                    expert_alignment, num_worst_tokens, buffer_id)
+            return super().dispatch(
+                x,
+                x_scales,
+                is_token_in_rank,
+                num_tokens_per_rank,
+                topk_idx,
+                topk_weights,
+                num_experts,
+                expert_alignment,
+                num_worst_tokens,
+                buffer_id,
+            )
         num_sms = config.num_sms if config is not None else 20
         # Position of each token among this rank's tokens for each destination (source order kept).
         in_rank_int = is_token_in_rank.to(torch.int32)
         send_pos = (torch.cumsum(in_rank_int, dim=0, dtype=torch.int32) - in_rank_int).contiguous()
-        count_matrix, per_expert = _C.intranode_notify(self.ipc, num_tokens_per_rank, num_tokens_per_expert, num_experts or 0,
-                                                       expert_alignment, self.timeout_ns)
+        count_matrix, per_expert = _C.intranode_notify(
+            self.ipc, num_tokens_per_rank, num_tokens_per_expert, num_experts or 0, expert_alignment, self.timeout_ns
+        )
         count_matrix_host = None
         per_expert_list: List[int] = []
         x_row, scale_row = x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4
@@ -77,28 +111,54 @@ class CudaBackend(ReferenceBackend):
         if num_worst_tokens == 0:
             count_matrix_host = count_matrix.cpu()  # the host must know how many rows to allocate
             rows_out = int(count_matrix_host[:, self.rank].sum())
-            self._check_capacity(count_matrix_host.sum(0).max(), self.ipc.dispatch_capacity(x_row, scale_row, num_topk), "dispatch")
+            self._check_capacity(
+                count_matrix_host.sum(0).max(), self.ipc.dispatch_capacity(x_row, scale_row, num_topk), "dispatch"
+            )
             if per_expert is not None:
                 per_expert_list = per_expert.tolist()
         else:
             rows_out = num_worst_tokens
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = _C.intranode_dispatch(
-            self.ipc, x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, is_token_in_rank,
-            send_pos, count_matrix, rows_out, num_sms, self.timeout_ns, False)
+            self.ipc,
+            x,
+            x_scales,
+            topk_idx,
+            topk_weights,
+            (num_experts or self.num_ranks) // self.num_ranks,
+            is_token_in_rank,
+            send_pos,
+            count_matrix,
+            rows_out,
+            num_sms,
+            self.timeout_ns,
+            False,
+        )
         handle = DispatchHandle(
-            buffer_id=buffer_id, num_ranks=self.num_ranks,
-            rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32), recv_src_idx=recv_src_idx,
-            is_token_in_rank=is_token_in_rank, num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
-            num_recv_tokens_per_expert=per_expert, num_worst_tokens=num_worst_tokens, expert_alignment=expert_alignment,
-            backend_state={"engine": "cuda", "count_matrix": count_matrix, "count_matrix_host": count_matrix_host,
-                           "send_pos": send_pos})
+            buffer_id=buffer_id,
+            num_ranks=self.num_ranks,
+            rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32),
+            recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_token_in_rank,
+            num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
+            num_recv_tokens_per_expert=per_expert,
+            num_worst_tokens=num_worst_tokens,
+            expert_alignment=expert_alignment,
+            backend_state={
+                "engine": "cuda",
+                "count_matrix": count_matrix,
+                "count_matrix_host": count_matrix_host,
+                "send_pos": send_pos,
+            },
+        )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     def _check_capacity(self, needed, capacity: int, what: str) -> None:
         needed = int(needed)
         if needed > capacity:
-            raise ValueError(f"num_nvl_bytes: this {what} needs {needed} rows on some rank but the buffer holds {capacity} rows "
-                             f"of this shape ({self.ipc.data_bytes} data bytes); create the Buffer with more num_nvl_bytes")
+            raise ValueError(
+                f"num_nvl_bytes: this {what} needs {needed} rows on some rank but the buffer holds {capacity} rows "
+                f"of this shape ({self.ipc.data_bytes} data bytes); create the Buffer with more num_nvl_bytes"
+            )
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         state = handle.backend_state
@@ -106,8 +166,20 @@ class CudaBackend(ReferenceBackend):
             return super().cached_dispatch(x, x_scales, self._reference_view(handle))
         num_sms = config.num_sms if config is not None else 20
         recv_x, recv_scales, _, _, _ = _C.intranode_dispatch(
-            self.ipc, x, x_scales, None, None, 1, handle.is_token_in_rank, state["send_pos"], state["count_matrix"],
-            handle.num_recv_rows, num_sms, self.timeout_ns, True)
+            self.ipc,
+            x,
+            x_scales,
+            None,
+            None,
+            1,
+            handle.is_token_in_rank,
+            state["send_pos"],
+            state["count_matrix"],
+            handle.num_recv_rows,
+            num_sms,
+            self.timeout_ns,
+            True,
+        )
         return recv_x, recv_scales
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
@@ -118,11 +190,24 @@ class CudaBackend(ReferenceBackend):
         host = state["count_matrix_host"]
         if host is not None:
             num_topk = 0 if topk_weights is None else topk_weights.size(1)
-            self._check_capacity(host.sum(1).max(), self.ipc.combine_capacity(x.size(1) * x.element_size(), num_topk), "combine")
+            self._check_capacity(
+                host.sum(1).max(), self.ipc.combine_capacity(x.size(1) * x.element_size(), num_topk), "combine"
+            )
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
-        return _C.intranode_combine(self.ipc, x, topk_weights, bias0, bias1, handle.is_token_in_rank, state["send_pos"],
-                                    state["count_matrix"], handle.num_tokens, num_sms, self.timeout_ns)
+        return _C.intranode_combine(
+            self.ipc,
+            x,
+            topk_weights,
+            bias0,
+            bias1,
+            handle.is_token_in_rank,
+            state["send_pos"],
+            state["count_matrix"],
+            handle.num_tokens,
+            num_sms,
+            self.timeout_ns,
+        )
 
     def _reference_view(self, handle: DispatchHandle) -> DispatchHandle:
         """A handle made by the engine, with the fields the reference implementation needs (one host sync)."""
@@ -133,8 +218,12 @@ class CudaBackend(ReferenceBackend):
         if matrix is None:
             matrix = state["count_matrix"].cpu()
         _, token = torch.nonzero(handle.is_token_in_rank.t(), as_tuple=True)
-        state.update(send_idx=token, send_counts=matrix[self.rank].tolist(), recv_counts=matrix[:, self.rank].tolist(),
-                     num_recv=int(matrix[:, self.rank].sum()))
+        state.update(
+            send_idx=token,
+            send_counts=matrix[self.rank].tolist(),
+            recv_counts=matrix[:, self.rank].tolist(),
+            num_recv=int(matrix[:, self.rank].sum()),
+        )
         return handle
 
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..fp8 import FP8_GROUP_SIZE, per_token_cast_to_fp8
+from ..fp8 import per_token_cast_to_fp8
 from ..handles import DispatchHandle, LowLatencyHandle
 
 
@@ -46,9 +46,13 @@ def _unpack_rows(packed: torch.Tensor, widths: Sequence[int], templates: Sequenc
     out, offset = [], 0
     rows = packed.size(0)
     for width, (dtype, shape) in zip(widths, templates):
-        field = packed[:, offset:offset + width].contiguous()
+        field = packed[:, offset : offset + width].contiguous()
         offset += width
-        out.append(field.view(dtype).reshape((rows, *shape)) if rows > 0 else torch.empty((0, *shape), dtype=dtype, device=packed.device))
+        out.append(
+            field.view(dtype).reshape((rows, *shape))
+            if rows > 0
+            else torch.empty((0, *shape), dtype=dtype, device=packed.device)
+        )
     return out
 
 
@@ -60,6 +64,7 @@ class ReferenceBackend:
     def engine_calls(self) -> tuple:
         """Calls that run as CUDA kernels on this backend: none."""
         return ()
+
     # Payload dtypes combine and dispatch accept: fp64 lets autograd tests run gradcheck.
     float_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -86,8 +91,9 @@ class ReferenceBackend:
         send = rows.to(self._comm_device(device)).reshape(-1)
         recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=send.device)
         if row_bytes > 0:
-            dist.all_to_all_single(recv, send, [c * row_bytes for c in recv_counts], [c * row_bytes for c in send_counts],
-                                   group=self.group)
+            dist.all_to_all_single(
+                recv, send, [c * row_bytes for c in recv_counts], [c * row_bytes for c in send_counts], group=self.group
+            )
         return recv.view(sum(recv_counts), row_bytes).to(device)
 
     def _all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -120,16 +126,34 @@ class ReferenceBackend:
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
-                 num_tokens_per_rank: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                 topk_weights: Optional[torch.Tensor], num_experts: Optional[int], expert_alignment: int,
-                 num_worst_tokens: int, buffer_id: int, config=None, num_tokens_per_expert=None):
-        """Normal dispatch. Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``."""
-        num_tokens, device = x.size(0), x.device
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_rank: Optional[torch.Tensor],
+        topk_idx: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        num_experts: Optional[int],
+        expert_alignment: int,
+        num_worst_tokens: int,
+        buffer_id: int,
+        config=None,
+        num_tokens_per_expert=None,
+    ):
+        """Normal dispatch.
+
+        Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``.
+        """
+        device = x.device
         send_counts_t = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
-        if num_tokens_per_rank is not None and not torch.equal(num_tokens_per_rank.to(torch.int64).cpu(), send_counts_t):
-            raise ValueError("num_tokens_per_rank: expected is_token_in_rank.sum(0) = "
-                             f"{send_counts_t.tolist()}, got {num_tokens_per_rank.tolist()}")
+        if num_tokens_per_rank is not None and not torch.equal(
+            num_tokens_per_rank.to(torch.int64).cpu(), send_counts_t
+        ):
+            raise ValueError(
+                "num_tokens_per_rank: expected is_token_in_rank.sum(0) = "
+                f"{send_counts_t.tolist()}, got {num_tokens_per_rank.tolist()}"
+            )
         # Tokens for rank r, in source order, concatenated over r ascending.
         dest, token = torch.nonzero(is_token_in_rank.t(), as_tuple=True)
         send_idx = token.to(device)
@@ -145,7 +169,10 @@ class ReferenceBackend:
             templates.append((x_scales.dtype, tuple(x_scales.shape[1:])))
         if topk_idx is not None:
             parts += [topk_idx[send_idx], topk_weights[send_idx]]
-            templates += [(topk_idx.dtype, tuple(topk_idx.shape[1:])), (topk_weights.dtype, tuple(topk_weights.shape[1:]))]
+            templates += [
+                (topk_idx.dtype, tuple(topk_idx.shape[1:])),
+                (topk_weights.dtype, tuple(topk_weights.shape[1:])),
+            ]
         packed, widths = _pack_rows(parts)
         fields = _unpack_rows(self._all_to_all_rows(packed, send_counts, recv_counts), widths, templates)
         recv_x, recv_src_idx = fields[0], fields[1].view(-1)
@@ -168,8 +195,10 @@ class ReferenceBackend:
 
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
-                raise RuntimeError(f"num_worst_tokens: rank {self.rank} received {num_recv} tokens, more than "
-                                   f"num_worst_tokens={num_worst_tokens}; raise it to the worst case")
+                raise RuntimeError(
+                    f"num_worst_tokens: rank {self.rank} received {num_recv} tokens, more than "
+                    f"num_worst_tokens={num_worst_tokens}; raise it to the worst case"
+                )
             recv_x = self._pad_rows(recv_x, num_worst_tokens, 0)
             recv_x_scales = self._pad_rows(recv_x_scales, num_worst_tokens, 0)
             recv_topk_idx = self._pad_rows(recv_topk_idx, num_worst_tokens, -1)
@@ -178,10 +207,22 @@ class ReferenceBackend:
 
         rank_prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32).to(device)
         handle = DispatchHandle(
-            buffer_id=buffer_id, num_ranks=self.num_ranks, rank_prefix_matrix=rank_prefix_matrix,
-            recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank, num_recv_tokens=num_recv if num_worst_tokens == 0 else -1,
-            num_recv_tokens_per_expert=per_expert, num_worst_tokens=num_worst_tokens, expert_alignment=expert_alignment,
-            backend_state={"send_idx": send_idx, "send_counts": send_counts, "recv_counts": recv_counts, "num_recv": num_recv})
+            buffer_id=buffer_id,
+            num_ranks=self.num_ranks,
+            rank_prefix_matrix=rank_prefix_matrix,
+            recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_token_in_rank,
+            num_recv_tokens=num_recv if num_worst_tokens == 0 else -1,
+            num_recv_tokens_per_expert=per_expert,
+            num_worst_tokens=num_worst_tokens,
+            expert_alignment=expert_alignment,
+            backend_state={
+                "send_idx": send_idx,
+                "send_counts": send_counts,
+                "recv_counts": recv_counts,
+                "num_recv": num_recv,
+            },
+        )
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     @staticmethod
@@ -193,7 +234,7 @@ class ReferenceBackend:
             out.view(torch.uint8).fill_(0)
         else:
             out.fill_(fill)
-        out[:t.size(0)] = t
+        out[: t.size(0)] = t
         return out
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None):
@@ -204,7 +245,9 @@ class ReferenceBackend:
             parts.append(x_scales[send_idx])
             templates.append((x_scales.dtype, tuple(x_scales.shape[1:])))
         packed, widths = _pack_rows(parts)
-        fields = _unpack_rows(self._all_to_all_rows(packed, state["send_counts"], state["recv_counts"]), widths, templates)
+        fields = _unpack_rows(
+            self._all_to_all_rows(packed, state["send_counts"], state["recv_counts"]), widths, templates
+        )
         recv_x = fields[0]
         recv_x_scales = fields[1] if x_scales is not None else None
         if handle.num_worst_tokens > 0:
@@ -212,8 +255,14 @@ class ReferenceBackend:
             recv_x_scales = self._pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
         return recv_x, recv_x_scales
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: Sequence[torch.Tensor], config=None):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor],
+        bias: Sequence[torch.Tensor],
+        config=None,
+    ):
         """Sum each token's rows from every rank that received it. Returns ``(combined_x, combined_topk_weights)``."""
         state = handle.backend_state
         num_recv = state["num_recv"]
@@ -252,8 +301,17 @@ class ReferenceBackend:
         return combined.to(x.dtype), combined_w
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool, buffer_id: int):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        buffer_id: int,
+    ):
         """Exchange now; returns ``(outputs, recv_count, handle, receive)`` where ``receive(outputs)`` fills them."""
         num_tokens, hidden = x.shape
         num_topk = topk_idx.size(1)
@@ -288,16 +346,19 @@ class ReferenceBackend:
         packed, widths = _pack_rows(payload)
         fields = _unpack_rows(self._all_to_all_rows(packed, send_counts, recv_counts), widths, templates)
         recv_token, recv_local = fields[-2].view(-1).long(), fields[-1].view(-1).long()
-        src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                           torch.tensor(recv_counts, device=device))
+        src_rank = torch.repeat_interleave(
+            torch.arange(num_ranks, device=device), torch.tensor(recv_counts, device=device)
+        )
         num_recv = recv_token.numel()
 
         # Slot of each received message inside its expert: its rank among earlier arrivals for that expert.
         by_expert = torch.argsort(recv_local, stable=True)
         recv_count = torch.bincount(recv_local, minlength=num_local_experts)
         if int(recv_count.max().item() if num_recv else 0) > num_slots:
-            raise RuntimeError("low_latency_dispatch: a local expert received more tokens than "
-                               f"num_ranks * num_max_dispatch_tokens_per_rank = {num_slots}")
+            raise RuntimeError(
+                "low_latency_dispatch: a local expert received more tokens than "
+                f"num_ranks * num_max_dispatch_tokens_per_rank = {num_slots}"
+            )
         group_start = torch.cumsum(recv_count, 0) - recv_count
         slot = torch.empty(num_recv, dtype=torch.long, device=device)
         slot[by_expert] = torch.arange(num_recv, device=device) - group_start[recv_local[by_expert]]
@@ -323,22 +384,35 @@ class ReferenceBackend:
                 recv_scales[e, s] = received[1]
 
         handle = LowLatencyHandle(
-            buffer_id=buffer_id, src_info=src_info, layout_range=layout_range,
-            num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts,
-            num_tokens=num_tokens, num_topk=num_topk,
-            backend_state={"send_token": token_of, "send_k": k_of, "send_counts": send_counts,
-                           "recv_counts": recv_counts, "recv_flat_slot": flat_slot})
+            buffer_id=buffer_id,
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            hidden=hidden,
+            num_experts=num_experts,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            backend_state={
+                "send_token": token_of,
+                "send_k": k_of,
+                "send_counts": send_counts,
+                "recv_counts": recv_counts,
+                "recv_flat_slot": flat_slot,
+            },
+        )
         return recv_count.to(torch.int32), handle, receive
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle):
+    def low_latency_combine(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle
+    ):
         """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``."""
         state = handle.backend_state
         hidden = x.size(-1)
         rows = x.reshape(-1, hidden)[state["recv_flat_slot"]]
         packed, widths = _pack_rows([rows])
-        (back,) = _unpack_rows(self._all_to_all_rows(packed, state["recv_counts"], state["send_counts"]), widths,
-                               [(x.dtype, (hidden,))])
+        (back,) = _unpack_rows(
+            self._all_to_all_rows(packed, state["recv_counts"], state["send_counts"]), widths, [(x.dtype, (hidden,))]
+        )
         num_tokens, num_topk = topk_idx.shape
         per_entry = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
         per_entry[state["send_token"], state["send_k"]] = back.float()
@@ -347,8 +421,8 @@ class ReferenceBackend:
         def receive(out: torch.Tensor) -> None:
             acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
             for k in range(num_topk):
-                weighted = topk_weights[:, k:k + 1].float() * per_entry[:, k]
-                acc = torch.where(valid[:, k:k + 1], acc + weighted, acc)
+                weighted = topk_weights[:, k : k + 1].float() * per_entry[:, k]
+                acc = torch.where(valid[:, k : k + 1], acc + weighted, acc)
             out.copy_(acc.to(out.dtype))
 
         return receive

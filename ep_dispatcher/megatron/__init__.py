@@ -47,5 +47,8 @@ if _megatron_importable():
     try:
         install()
     except ImportError as e:  # megatron-core present but not importable (e.g. a missing dependency)
-        warnings.warn(f"ep_dispatcher.megatron: megatron-core was found but could not be imported, so "
-                      f"moe_token_dispatcher_type='deepep' is not registered: {e}", stacklevel=2)
+        warnings.warn(
+            f"ep_dispatcher.megatron: megatron-core was found but could not be imported, so "
+            f"moe_token_dispatcher_type='deepep' is not registered: {e}",
+            stacklevel=2,
+        )

@@ -29,8 +29,11 @@ from collections.abc import Callable
 
 TYPE_NAME = "deepep"
 # Modules that have held should_free_input across 0.16 ... 0.19 (it moved to models/common/utils.py in 0.19).
-_FREE_INPUT_MODULES = ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables",
-                       "megatron.core.models.common.model_chunk_schedule_plan")
+_FREE_INPUT_MODULES = (
+    "megatron.core.models.common.utils",
+    "megatron.core.models.gpt.fine_grained_callables",
+    "megatron.core.models.common.model_chunk_schedule_plan",
+)
 
 _state: dict[str, object] = {"installed": False, "route_flex": True}
 _originals: list[tuple[object, str, Callable]] = []
@@ -56,8 +59,11 @@ def uses_ep_dispatcher(config) -> bool:
 @contextlib.contextmanager
 def _config_as(config, dispatcher_type: str, flex_deepep: bool):
     """Temporarily present ``config`` as another dispatcher type (restored even if the body raises)."""
-    saved = {name: getattr(config, name) for name in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
-                                                     "moe_enable_deepep") if hasattr(config, name)}
+    saved = {
+        name: getattr(config, name)
+        for name in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep")
+        if hasattr(config, name)
+    }
     object.__setattr__(config, "moe_token_dispatcher_type", dispatcher_type)
     if flex_deepep:
         if "moe_flex_dispatcher_backend" in saved:
@@ -109,8 +115,9 @@ def _wrap_moe_layer_init(original):
         with _config_as(config, "allgather", flex_deepep=False):
             original(*bound.args, **bound.kwargs)
         placeholder = self.token_dispatcher
-        dispatcher = EPDispatcherTokenDispatcher(self.num_local_experts, self.local_expert_indices, config=config,
-                                                 pg_collection=pg_collection)
+        dispatcher = EPDispatcherTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+        )
         if self.shared_experts is not None and getattr(self, "shared_expert_overlap", False):
             dispatcher.set_shared_experts(self.shared_experts)
         self.token_dispatcher = dispatcher
@@ -165,13 +172,16 @@ def install(route_flex: bool = True, backend: str | None = None) -> None:
         from megatron.core.transformer import transformer_config
         from megatron.core.transformer.moe import moe_layer
     except ImportError as e:
-        raise ImportError(f"ep_dispatcher.megatron.install: megatron-core is not importable ({e}); "
-                          "pip install megatron-core (0.16 ... 0.19)") from e
+        raise ImportError(
+            f"ep_dispatcher.megatron.install: megatron-core is not importable ({e}); "
+            "pip install megatron-core (0.16 ... 0.19)"
+        ) from e
     for owner, name in ((transformer_config.TransformerConfig, "__post_init__"), (moe_layer.MoELayer, "__init__")):
         if not callable(getattr(owner, name, None)):
             raise RuntimeError(  # noqa: TRY004  (a missing hook point, not a wrong argument type)
                 f"ep_dispatcher.megatron.install: megatron-core {megatron_version()} has no "
-                f"{owner.__name__}.{name}; this version is not supported")
+                f"{owner.__name__}.{name}; this version is not supported"
+            )
     _patch(transformer_config.TransformerConfig, "__post_init__", _wrap_post_init)
     _patch(moe_layer.MoELayer, "__init__", _wrap_moe_layer_init)
     for module_name in _FREE_INPUT_MODULES:

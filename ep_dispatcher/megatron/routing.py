@@ -49,8 +49,9 @@ def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
     return topk_idx, topk_weights
 
 
-def fold_tensor_parallel(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int,
-                         tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_tensor_parallel(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Expand ids over the ``TP x EP`` group: expert ``g`` of EP rank ``g // L`` becomes the ``tp_size`` experts
     ``(g // L * tp_size + t) * L + g % L`` (``t`` = TP rank, ``L`` = ``num_local_experts``).
 

@@ -74,11 +74,16 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         self.comm_size = self.tp_size * self.ep_size
         # TP is folded into the expert space: TP x EP ranks, each with num_local_experts "experts".
         self.num_comm_experts = self.tp_size * config.num_moe_experts
-        for name in ("moe_pad_expert_input_to_capacity", "moe_router_padding_for_quantization",
-                     "moe_router_padding_for_fp8"):
+        for name in (
+            "moe_pad_expert_input_to_capacity",
+            "moe_router_padding_for_quantization",
+            "moe_router_padding_for_fp8",
+        ):
             if getattr(config, name, False):
-                raise NotImplementedError(f"EPDispatcherTokenDispatcher: {name}=True is not supported (tokens are "
-                                          "received without padding); turn it off")
+                raise NotImplementedError(
+                    f"EPDispatcherTokenDispatcher: {name}=True is not supported (tokens are "
+                    "received without padding); turn it off"
+                )
         num_sms = configured_num_sms(config)
         if num_sms != Buffer.num_sms:
             Buffer.set_num_sms(num_sms)
@@ -114,12 +119,18 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         routing_map = routing_map.reshape(num_tokens, -1)
         probs = probs.reshape(num_tokens, -1)
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, self.router_topk)
-        self.token_indices, self.token_probs = fold_tensor_parallel(topk_idx, topk_weights, self.num_local_experts,
-                                                                    self.tp_size)
+        self.token_indices, self.token_probs = fold_tensor_parallel(
+            topk_idx, topk_weights, self.num_local_experts, self.tp_size
+        )
         return hidden_states, self.token_probs
 
-    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor | None = None,
-                       async_finish: bool = True, allocate_on_comm_stream: bool = True):
+    def token_dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        async_finish: bool = True,
+        allocate_on_comm_stream: bool = True,
+    ):
         """Send each token to the ranks of its experts.
 
         ``async_finish`` / ``allocate_on_comm_stream`` are accepted for signature compatibility with the flex
@@ -138,7 +149,8 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         hidden_bytes = hidden_states.size(1) * max(hidden_states.element_size(), 2)
         buffer = buffer_cache.get_buffer(self.comm_group, hidden_bytes)
         recv_x, recv_indices, recv_probs, counts, handle = ep_autograd.dispatch(
-            buffer, hidden_states.contiguous(), self.token_indices, probs, self.num_comm_experts)
+            buffer, hidden_states.contiguous(), self.token_indices, probs, self.num_comm_experts
+        )
         self.handle, self._handle_buffer = handle, buffer  # combine must use the buffer that dispatched
         self.dispatched_indices = recv_indices
         self.dispatched_probs = recv_probs
@@ -176,8 +188,9 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         self.permutation = None
         return out.to(hidden_states.dtype)
 
-    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
-                      allocate_on_comm_stream: bool = True):
+    def token_combine(
+        self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True
+    ):
         """Unweighted sum of the expert outputs back to the source tokens: ``[R, H]`` -> ``[N, H]``."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()

@@ -22,7 +22,7 @@ stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 
 rc=0
 start_mps
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py tests/test_extension_import.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py tests/gpu/test_dbo_gpu.py tests/test_extension_import.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 stop_mps
 if [ "${1:-}" != "quick" ]; then
@@ -31,4 +31,9 @@ if [ "${1:-}" != "quick" ]; then
     [ "${EP_BENCH_8SMS:-1}" = 1 ] && python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_intranode_8sms.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
     stop_mps
 fi
+# Last, in its own MPS session: the timeout test traps a kernel on purpose.
+start_mps
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+stop_mps
 exit $rc

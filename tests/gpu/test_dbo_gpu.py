@@ -54,13 +54,14 @@ def _stages(weight: torch.Tensor, exchange: SideStreamExchange) -> list:
     def dense(state):
         x = state["x"]
         padded = x.new_zeros((MAX_TOKENS, HIDDEN))  # fixed GEMM shape: the split changes no row's math
-        padded[:x.size(0)] = x
-        state["h"] = torch.tanh(padded @ weight)[:x.size(0)]
+        padded[: x.size(0)] = x
+        state["h"] = torch.tanh(padded @ weight)[: x.size(0)]
 
     def send(key):
         def fn(state):
             state["recv"], hook = exchange.send(state[key])
             return hook
+
         return fn
 
     def expert(state):
@@ -69,8 +70,17 @@ def _stages(weight: torch.Tensor, exchange: SideStreamExchange) -> list:
     def residual(state):
         state["x"] = state["x"] + state.pop("recv")
 
-    layer = [dense, Send("dispatch", send("h")), YIELD, Recv("dispatch"), expert, Send("combine", send("y")), YIELD,
-             Recv("combine"), residual]
+    layer = [
+        dense,
+        Send("dispatch", send("h")),
+        YIELD,
+        Recv("dispatch"),
+        expert,
+        Send("combine", send("y")),
+        YIELD,
+        Recv("combine"),
+        residual,
+    ]
     return layer + layer
 
 
@@ -83,7 +93,7 @@ def _run(scheduler: MicroBatchOverlap, x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def setup():
     torch.manual_seed(3)
-    weight = torch.randn((HIDDEN, HIDDEN), device="cuda") * HIDDEN ** -0.5
+    weight = torch.randn((HIDDEN, HIDDEN), device="cuda") * HIDDEN**-0.5
     stages = _stages(weight, SideStreamExchange())
     return MicroBatchOverlap(stages, 1), MicroBatchOverlap(stages, 2)
 
@@ -123,9 +133,25 @@ def test_cuda_graph_capture_replays_bit_exactly(setup):
 
 
 def test_example_runs_on_gpu():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "dbo_decode.py"), "--ranks", "2",
-                           "--tokens", "16", "--steps", "2", "--device", "cuda"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "examples", "dbo_decode.py"),
+            "--ranks",
+            "2",
+            "--tokens",
+            "16",
+            "--steps",
+            "2",
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "cuda" in proc.stdout and "-> OK" in proc.stdout
 
@@ -144,13 +170,18 @@ def test_buffer_low_latency_stack_under_capture():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         example = _load_example()
-        args = argparse.Namespace(
-            tokens=16, hidden=256, ffn=128, experts=16, topk=4, layers=2, seed=1, fp8=True)
-        buffer = Buffer(None, low_latency_mode=True, backend="auto",
-                        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts))
+        args = argparse.Namespace(tokens=16, hidden=256, ffn=128, experts=16, topk=4, layers=2, seed=1, fp8=True)
+        buffer = Buffer(
+            None,
+            low_latency_mode=True,
+            backend="auto",
+            num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts),
+        )
         if not {"low_latency_dispatch", "low_latency_combine"} <= set(buffer.engine_calls):
-            pytest.skip(f"the low-latency calls are not CUDA kernels yet (engine_calls={buffer.engine_calls}); the "
-                        "reference implementation syncs with the host and cannot be captured")
+            pytest.skip(
+                f"the low-latency calls are not CUDA kernels yet (engine_calls={buffer.engine_calls}); the "
+                "reference implementation syncs with the host and cannot be captured"
+            )
         stages = example.build_stages(example.make_params(args, 0, 1, torch.device("cuda")), buffer, args)
         plain, overlapped = MicroBatchOverlap(stages, 1), MicroBatchOverlap(stages, 2)
         static_x = torch.randn((args.tokens, args.hidden), device="cuda").to(torch.bfloat16)

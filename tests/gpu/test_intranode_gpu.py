@@ -57,8 +57,15 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> 
         assert (a is None and b is None) or torch.equal(a, b)
     per_rank, _, per_expert, in_rank, _ = layout_c
     alignment = 1 + case.seed % 3
-    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment, config=config)
+    kwargs = dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        expert_alignment=alignment,
+        config=config,
+    )
     out_c = cuda.dispatch(x, **kwargs)
     out_r = ref.dispatch(x, **kwargs)
     for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
@@ -127,7 +134,7 @@ def test_intranode_matches_reference(world: int) -> None:
 
 
 def _graph_and_stress_worker(rank: int, world: int, iterations: int) -> str:
-    """CUDA-graph replay of a worst-case dispatch + combine with new inputs; then a stress loop with changing routings."""
+    """CUDA-graph replay of a worst-case dispatch + combine with new inputs, as a stress loop of changing routings."""
     device = _set_device(rank)
     cuda, _ = _buffers(world)
     config = Config(NUM_SMS)
@@ -146,9 +153,16 @@ def _graph_and_stress_worker(rank: int, world: int, iterations: int) -> str:
 
     def step():
         per_rank, _, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, _, recv_w, _, handle, _ = cuda.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                        num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                                        topk_weights=topk_weights, num_worst_tokens=worst, config=config)
+        recv_x, _, recv_w, _, handle, _ = cuda.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_worst_tokens=worst,
+            config=config,
+        )
         out, _, _ = cuda.combine(recv_x, handle, config=config)
         return out, in_rank
 

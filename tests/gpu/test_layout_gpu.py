@@ -23,7 +23,7 @@ if importlib.util.find_spec("ep_dispatcher._C") is None:
         allow_module_level=True,
     )
 
-from ep_dispatcher import _C
+from ep_dispatcher import _C  # noqa: E402
 
 NUM_RANKS_PER_NODE = 8  # one NVLink domain of 8 GPUs: 16 and 32 ranks produce a per-node (RDMA) output
 

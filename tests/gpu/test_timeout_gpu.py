@@ -1,0 +1,60 @@
+"""A rank that never arrives makes its peers' kernels give up with rank, peer and stage, instead of hanging.
+
+The waiting kernel traps after printing, which poisons its CUDA context (and, under MPS, may affect every client
+of the server): run this file last, in its own MPS session (tests/gpu/run_device.sh does).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from ep_dispatcher import Buffer
+    from ep_dispatcher.launch import spawn
+
+    def work(rank, world):
+        torch.cuda.set_device(0)
+        buf = Buffer(None, num_nvl_bytes=64 << 20, backend="cuda", timeout_s=2.0)
+        topk_idx = torch.zeros((8, 1), dtype=torch.int64, device="cuda")
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 2)
+        x = torch.randn((8, 128), device="cuda").to(torch.bfloat16)
+        if rank == 1:
+            return "absent"  # never joins the dispatch
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            return "error: " + str(e).splitlines()[0]
+        return "no error"
+
+    if __name__ == "__main__":
+        try:
+            print(spawn(work, 2, timeout_s=60))
+        except RuntimeError as e:
+            print("spawn failed:", e)
+        sys.stdout.flush()
+    """
+)
+
+
+def test_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
+    script = tmp_path / "timeout_case.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    # Device printf from rank 0's barrier kernel, then a CUDA error surfacing as a Python exception.
+    assert "ep_dispatcher: timeout after 2000 ms on rank 0 waiting for peer 1" in out, out[-4000:]
+    assert "notify: waiting for peers' counts" in out, out[-4000:]
