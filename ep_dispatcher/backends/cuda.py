@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..config import Config
 from ..handles import DispatchHandle
 from .reference import ReferenceBackend
 
@@ -97,7 +98,7 @@ class CudaBackend(ReferenceBackend):
                 num_worst_tokens,
                 buffer_id,
             )
-        num_sms = config.num_sms if config is not None else 20
+        num_sms = (config or Config()).num_sms
         # Position of each token among this rank's tokens for each destination (source order kept).
         in_rank_int = is_token_in_rank.to(torch.int32)
         send_pos = (torch.cumsum(in_rank_int, dim=0, dtype=torch.int32) - in_rank_int).contiguous()
@@ -164,7 +165,7 @@ class CudaBackend(ReferenceBackend):
         state = handle.backend_state
         if not (self._uses_engine(x) and state.get("engine") == "cuda"):
             return super().cached_dispatch(x, x_scales, self._reference_view(handle))
-        num_sms = config.num_sms if config is not None else 20
+        num_sms = (config or Config()).num_sms
         recv_x, recv_scales, _, _, _ = _C.intranode_dispatch(
             self.ipc,
             x,
@@ -186,7 +187,7 @@ class CudaBackend(ReferenceBackend):
         state = handle.backend_state
         if not (self._uses_engine(x) and state.get("engine") == "cuda" and x.dtype in _COMBINE_DTYPES):
             return super().combine(x, self._reference_view(handle), topk_weights, bias)
-        num_sms = config.num_sms if config is not None else 20
+        num_sms = (config or Config()).num_sms
         host = state["count_matrix_host"]
         if host is not None:
             num_topk = 0 if topk_weights is None else topk_weights.size(1)
