@@ -238,3 +238,32 @@ def _worker(rank: int, world: int, seeds) -> int:
 def test_reference_matches_loop_semantics(world: int) -> None:
     seeds = [world * 100 + i for i in range(CASES_PER_WORLD[world])]
     assert run(_worker, world, seeds) == [len(seeds)] * world
+
+
+def _virtual_nodes_worker(rank: int, world: int) -> int:
+    """Ranks grouped into nodes of 2: the layout also counts tokens per node; dispatch needs that count."""
+    case = rc.random_case(4242, world)
+    inputs = [rc.rank_inputs(case, r) for r in range(world)]
+    x, topk_idx, topk_weights = inputs[rank]
+    buf = Buffer(None, num_nvl_bytes=Config().get_nvl_buffer_size_hint(case.hidden * 2, world), num_ranks_per_node=2,
+                 backend="reference")
+    assert buf.is_internode
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, case.num_experts)
+    local = case.num_local_experts
+    expected_nodes = torch.zeros(world // 2, dtype=torch.int32)
+    for t in range(x.size(0)):
+        for node in {int(e) // local // 2 for e in topk_idx[t] if e >= 0}:
+            expected_nodes[node] += 1
+    assert torch.equal(per_node, expected_nodes)
+    with pytest.raises(TypeError, match=r"num_tokens_per_rdma_rank: expected a torch.Tensor, got NoneType"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    recv_x, recv_topk, _, _, _, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    exp_x, exp_topk, _, _, _ = rc.expected_dispatch(case, rank, inputs)
+    assert torch.equal(recv_x, exp_x) and torch.equal(recv_topk, exp_topk)  # same semantics across nodes
+    return 1
+
+
+def test_virtual_nodes_layout_and_dispatch() -> None:
+    assert run(_virtual_nodes_worker, 4) == [1] * 4
