@@ -175,12 +175,22 @@ def gpu_config_name() -> str:
         import torch
 
         if torch.cuda.is_available():
-            name = torch.cuda.get_device_name().lower()
-            for short in ("h200", "h100", "h800", "h20", "b200", "gb200", "a100"):
-                if short in name:
-                    return short
+            return _short_gpu_name(torch.cuda.current_device())
     except Exception:  # pragma: no cover - any driver trouble means "no tuned table"
         pass
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _short_gpu_name(device: int) -> str:
+    """Cached per device: every dispatch/combine without a config asks, and a device-properties query is not free."""
+    import torch
+
+    name = torch.cuda.get_device_name(device).lower()
+    # Where one name contains another, the longer comes first ("h200" before "h20", "gb200" before "b200").
+    for short in ("h200", "h100", "h800", "h20", "gb200", "b200", "a100"):
+        if short in name:
+            return short
     return ""
 
 
