@@ -184,6 +184,13 @@ def _cuda_extension_kwargs(version: str) -> dict:
         library_dirs.append(lib_dir)
         # rpath: NVSHMEM's lib dir is not on the loader's search path.
         extra_link_args += link + [f"-Wl,-rpath,{lib_dir}"]
+        # The low-latency kernels call NVSHMEM's device API, which lives in a static device library: compile
+        # relocatable device code and device-link it (torch's BuildExtension runs `nvcc -dlink` on nvcc_dlink).
+        nvcc_extra = ["-rdc=true"]
+        nvcc_dlink = ["-dlink", f"-L{lib_dir}", "-lnvshmem_device"]
+        extra_link_args += [os.path.join(lib_dir, "libnvshmem_device.a")]
+    else:
+        nvcc_extra, nvcc_dlink = [], []
 
     # No -std of our own: torch adds the standard its headers expect to both compilers when none is given (seen:
     # -std=c++17 with torch 2.11, -std=c++20 with torch 2.14, whose headers refuse C++17). The code here is C++17
@@ -191,12 +198,17 @@ def _cuda_extension_kwargs(version: str) -> dict:
     cxx_std = os.environ.get("EP_DISPATCHER_CXX_STD")
     std_flags = [f"-std={cxx_std}"] if cxx_std else []
     cxx_flags = ["-O3"] + std_flags + defines
-    nvcc_flags = ["-O3"] + std_flags + ["--expt-relaxed-constexpr", "-lineinfo"] + arch_flags + defines
+    nvcc_flags = ["-O3"] + std_flags + ["--expt-relaxed-constexpr", "-lineinfo"] + arch_flags + defines + nvcc_extra
+    extra_compile_args = {"cxx": cxx_flags, "nvcc": nvcc_flags}
+    if nvcc_dlink:
+        extra_compile_args["nvcc_dlink"] = nvcc_dlink + arch_flags
     sources = [
         "csrc/ep_dispatcher_ext.cpp",
         "csrc/kernels/layout.cu",
         "csrc/kernels/intranode.cu",
         "csrc/intranode_bindings.cpp",
+        "csrc/kernels/low_latency.cu",
+        "csrc/low_latency_bindings.cpp",
         "csrc/runtime/driver_api.cpp",
         "csrc/runtime/ipc_buffer.cpp",
         # Always compiled: without EP_DISPATCHER_WITH_NVSHMEM it holds stubs that raise a clear error.
@@ -207,7 +219,7 @@ def _cuda_extension_kwargs(version: str) -> dict:
         sources=sources,
         include_dirs=include_dirs,
         library_dirs=library_dirs,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,
     )
     std_text = f"-std={cxx_std}" if cxx_std else "torch's default -std"

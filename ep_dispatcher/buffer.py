@@ -19,7 +19,7 @@ from . import config as _config
 from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
-from .validation import check_int, check_tensor, check_topk_idx_range, split_fp8
+from .validation import check_int, check_tensor, check_topk_idx_distinct, check_topk_idx_range, split_fp8
 
 DEFAULT_TIMEOUT_S = 100.0  # a wait that takes this long is a bug (deadlock, dead peer), not a slow network
 _BACKENDS = ("auto", "cuda", "reference")
@@ -124,6 +124,8 @@ class Buffer:
                 self.group_size,
                 self.num_ranks_per_node,
                 num_nvl_bytes=self.num_nvl_bytes,
+                num_rdma_bytes=self.num_rdma_bytes if self.low_latency_mode else 0,
+                allow_nvlink=self.allow_nvlink_for_low_latency_mode,
                 timeout_s=self.timeout_s,
             )
         else:
@@ -631,6 +633,8 @@ class Buffer:
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
             )
         self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device)
+        if self.validate_inputs:
+            check_topk_idx_distinct(topk_idx)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (UE8M0 stores power-of-two scales only)")
         if use_ue8m0 and hidden % 512 != 0:
@@ -660,21 +664,27 @@ class Buffer:
         else:
             recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
             recv_scales = None
-        recv_count, handle, receive = self._backend.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, self.buffer_id
+        handle, receive = self._backend.low_latency_dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            self.buffer_id,
+            half=half,
+            cumulative_stats=cumulative_local_expert_recv_stats,
         )
-        recv_count_out = torch.empty_like(recv_count)
+        recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
         def finish() -> None:
-            receive((recv_data, recv_scales))
-            recv_count_out.copy_(recv_count)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(recv_count)
+            receive(recv_data, recv_scales, recv_count)
 
         hook = self._make_hook(finish, return_recv_hook, half)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
-        return recv_x, recv_count_out, handle, event, hook
+        return recv_x, recv_count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` buffer the next ``low_latency_combine`` reads
@@ -732,7 +742,7 @@ class Buffer:
         else:
             out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
         half = self._take_low_latency_half()
-        receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle)
+        receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
         hook = self._make_hook(lambda: receive(out), return_recv_hook, half)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook

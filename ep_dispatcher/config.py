@@ -136,10 +136,11 @@ def get_low_latency_rdma_size_hint(
     combine_msg = low_latency_combine_message_bytes(hidden)
     tokens = num_max_dispatch_tokens_per_rank
     # Send side: one staged copy per token (dispatch) or per (expert, slot) (combine); receive side: a slot
-    # for every (expert, source rank, token).
+    # for every (expert, source rank, token); signals: dispatch counts and combine flags (8 bytes per expert
+    # each) and one receive ack per rank. Must match csrc/kernels/low_latency.cu (make_layout).
     send = max(tokens * dispatch_msg, num_experts * tokens * combine_msg)
     recv = num_experts * tokens * max(dispatch_msg, combine_msg)
-    signals = num_experts * 4 * 2
+    signals = num_experts * 8 * 2 + num_ranks * 8
     return NUM_LOW_LATENCY_BUFFERS * (_align(send) + _align(recv) + _align(signals))
 
 

@@ -65,6 +65,21 @@ def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_idx: expected entries in [-1, {num_experts}) (-1 = no expert), got min {lo}, max {hi}")
 
 
+def check_topk_idx_distinct(topk_idx: torch.Tensor) -> None:
+    """No token may list an expert twice (low-latency slots hold one entry per token and expert); one host sync
+    on a GPU, skipped under graph capture."""
+    if topk_idx.size(0) == 0 or topk_idx.size(1) < 2 or is_capturing():
+        return
+    ordered = topk_idx.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any().item()):
+        token = int(repeated.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"topk_idx: token {token} lists an expert more than once ({topk_idx[token].tolist()}); "
+            "low-latency calls expect distinct experts per token (-1 may repeat)"
+        )
+
+
 def split_fp8(name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``x`` or ``(x_fp8, scales)`` -> ``(data, scales or None)``, checking the FP8 pair's form."""
     if isinstance(x, (tuple, list)):

@@ -137,19 +137,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank_main(rank: int, world: int, args) -> dict:
-    pg_backend = dist.get_backend()
+def select_device(rank: int, args) -> torch.device:
+    """This rank's device, made current: ranks share the GPUs round-robin (all on cuda:0 when there is one GPU)."""
     if torch.cuda.is_available() and args.device != "cpu":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    buffer = Buffer(
+        return device
+    return torch.device("cpu")
+
+
+def make_buffer(args, world: int, max_tokens: int) -> Buffer:
+    """A low-latency ``Buffer`` over the default group, large enough for calls of up to ``max_tokens`` per rank."""
+    return Buffer(
         None,
         low_latency_mode=True,
         backend=args.backend,
-        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world, args.experts),
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(max_tokens, args.hidden, world, args.experts),
     )
+
+
+def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict:
+    """Time ``args.steps`` decode steps both ways (after ``args.warmup``) on ``buffer`` (default: a new one sized
+    for ``args.tokens``); returns the median step time per mode and the largest output difference."""
+    pg_backend = dist.get_backend()
+    device = select_device(rank, args)
+    if buffer is None:
+        buffer = make_buffer(args, world, args.tokens)
     layers = make_params(args, rank, world, device)
     stages = build_stages(layers, buffer, args)
     plain = MicroBatchOverlap(stages, num_micro_batches=1)
@@ -186,7 +199,7 @@ def rank_main(rank: int, world: int, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per rank (= max_tokens of the LL calls)")
@@ -203,7 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--backend", default="auto", choices=("auto", "reference", "cuda"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--pg-backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="process group; auto = nccl with one GPU per rank, else gloo (CPU, or ranks sharing one GPU)",
+    )
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Reject shapes the layer stack cannot run (``parser.error`` exits with the message)."""
     if args.experts % args.ranks != 0:
         parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
     if args.hidden % FP8_GROUP != 0:
@@ -214,9 +237,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens ({args.tokens}) must be at least --micro-batches ({args.micro_batches})")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
+    if args.pg_backend == "nccl" and (args.device == "cpu" or torch.cuda.device_count() < args.ranks):
+        parser.error(f"--pg-backend nccl needs one GPU per rank ({args.ranks}), {torch.cuda.device_count()} visible")
+
+
+def process_group_backend(args) -> str:
+    """NCCL with one GPU per rank; gloo otherwise (CPU, or several ranks sharing a GPU: NCCL refuses that).
+    On a gloo group the Buffer stages CUDA tensors through host memory where it has no kernel."""
+    if args.pg_backend != "auto":
+        return args.pg_backend
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    pg_backend = "nccl" if use_cuda and torch.cuda.device_count() >= args.ranks else "gloo"
-    results = spawn(rank_main, args.ranks, args, backend=pg_backend)
+    return "nccl" if use_cuda and torch.cuda.device_count() >= args.ranks else "gloo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    results = spawn(rank_main, args.ranks, args, backend=process_group_backend(args))
 
     r0 = results[0]
     total_tokens = args.ranks * args.tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -26,7 +27,7 @@ from ep_dispatcher.launch import spawn
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # fp32: summation order only; bf16: rounding of the 2-way sums
 
 
-def _build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
+def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -88,10 +89,17 @@ def _sync_grads(model) -> None:
             param.grad.div_(size)
 
 
-def _train(args, dispatcher_type: str, rank: int, device: torch.device) -> list[float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args, dispatcher_type: str, rank: int, device: torch.device, step_times: list | None = None) -> list[float]:
+    """Train ``args.steps`` steps; returns the global mean loss per step. With ``step_times``, appends each step's
+    wall time in seconds (forward, backward, gradient all-reduce, Adam; the device synchronised at both ends)."""
     from megatron.core import parallel_state
 
-    model = _build_model(args, dispatcher_type, parallel_state.get_expert_model_parallel_rank(), device)
+    model = build_model(args, dispatcher_type, parallel_state.get_expert_model_parallel_rank(), device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     position_ids = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     attention_mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, device=device, dtype=torch.bool), diagonal=1)
@@ -100,39 +108,60 @@ def _train(args, dispatcher_type: str, rank: int, device: torch.device) -> list[
         generator = torch.Generator().manual_seed(args.seed * 7919 + step * 131 + rank)  # each rank its own data
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
         input_ids, labels = tokens[:, :-1], tokens[:, 1:]
+        _sync(device)
+        start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = model(input_ids, position_ids, attention_mask, labels=labels).float().mean()
         loss.backward()
         _sync_grads(model)
         optimizer.step()
+        _sync(device)
+        if step_times is not None:
+            step_times.append(time.perf_counter() - start)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / dist.get_world_size())
     return losses
 
 
-def _worker(rank: int, world: int, args) -> dict:
-    warnings.filterwarnings("ignore")
+DISPATCHERS = ("deepep", "allgather")
+
+
+def setup_parallel(world: int, args, device: torch.device) -> None:
+    """Register "deepep", make Megatron run on ``device`` (CPU patches when it is the CPU), EP = world, TP = 1."""
     from megatron.core import parallel_state
 
     import ep_dispatcher.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
     from ep_dispatcher.megatron import cpu_shim
 
-    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    if not on_gpu:
+    if device.type == "cpu":
         cpu_shim.enable()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    if on_gpu:
+    if device.type == "cuda":
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(args.seed)
-    results = {name: _train(args, name, rank, device) for name in ("deepep", "allgather")}
+
+
+def train_both(rank: int, world: int, args, device: torch.device) -> dict:
+    """EP = world on this rank; train with each of ``DISPATCHERS`` from the same weights and data.
+    Returns ``{dispatcher: losses}``."""
+    from megatron.core import parallel_state
+
+    setup_parallel(world, args, device)
+    results = {name: train(args, name, rank, device) for name in DISPATCHERS}
     parallel_state.destroy_model_parallel()
     return results
 
 
-def main(argv=None) -> int:
+def _worker(rank: int, world: int, args) -> dict:
+    warnings.filterwarnings("ignore")
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    return train_both(rank, world, args, device)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="ranks = expert-parallel size")
     parser.add_argument("--steps", type=int, default=5)
@@ -154,13 +183,31 @@ def main(argv=None) -> int:
         default="auto",
         help="process-group backend; auto = nccl when there is one GPU per rank, else gloo",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.experts % args.ranks != 0:
         parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+
+
+def process_group_backend(args) -> str:
+    """``--backend``, where auto = NCCL with one GPU per rank, else gloo."""
+    if args.backend != "auto":
+        return args.backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
+
+
+def tolerance(args) -> float:
+    return args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    backend = process_group_backend(args)
+    max_allowed = tolerance(args)
 
     results = spawn(_worker, args.ranks, args, backend=backend)[0]
     deepep, allgather = results["deepep"], results["allgather"]
@@ -172,8 +219,8 @@ def main(argv=None) -> int:
     for step, (a, b) in enumerate(zip(deepep, allgather)):
         print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.3e}")
     max_diff = max(abs(a - b) for a, b in zip(deepep, allgather))
-    ok = max_diff <= tolerance
-    print(f"max |loss difference| = {max_diff:.3e} (tolerance {tolerance:.1e}): {'OK' if ok else 'MISMATCH'}")
+    ok = max_diff <= max_allowed
+    print(f"max |loss difference| = {max_diff:.3e} (tolerance {max_allowed:.1e}): {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 

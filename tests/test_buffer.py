@@ -302,6 +302,11 @@ def test_low_latency_rejects_bad_inputs(group):
         (dict(use_ue8m0=True, round_scale=True), ValueError, r"use_ue8m0: needs hidden % 512 == 0 .*hidden=128"),
         (dict(topk_idx=topk_idx + 7), ValueError, r"topk_idx: expected entries in \[-1, 8\)"),
         (
+            dict(topk_idx=torch.cat([topk_idx[:, :1], topk_idx[:, :1]], dim=1)),
+            ValueError,
+            r"topk_idx: token 0 lists an expert more than once",
+        ),
+        (
             dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)),
             ValueError,
             r"cumulative_local_expert_recv_stats: expected shape \[8\], got \[9\]",

@@ -1,21 +1,24 @@
 """CUDA backend: the ``ep_dispatcher._C`` engine.
 
 Intranode dispatch/combine run as kernels over CUDA-IPC buffers (csrc/kernels/intranode.cuh explains the
-design: every token is written once, straight to its final row in the receiver's buffer). Calls the engine does
-not cover yet (internode, low latency, fp16/fp64 combine, CPU tensors) are served by the reference
-implementation on the same tensors, so a ``Buffer`` always works; ``engine_calls()`` says which calls are kernels.
+design: every token is written once, straight to its final row in the receiver's buffer). Low-latency
+dispatch/combine run as kernels over an NVSHMEM symmetric buffer (csrc/kernels/low_latency.cuh). Calls the engine
+does not cover yet (internode, fp16/fp64 combine, CPU tensors) are served by the reference implementation on the
+same tensors, so a ``Buffer`` always works; ``engine_calls()`` says which calls are kernels.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .. import _C
 from ..config import Config
-from ..handles import DispatchHandle
+from ..handles import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceBackend
 
 _COMBINE_DTYPES = (torch.bfloat16, torch.float32)  # dtypes the combine kernel sums
@@ -31,6 +34,8 @@ class CudaBackend(ReferenceBackend):
         num_ranks: int,
         num_ranks_per_node: int,
         num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        allow_nvlink: bool = True,
         timeout_s: float = 100.0,
         **engine_options,
     ):
@@ -48,17 +53,29 @@ class CudaBackend(ReferenceBackend):
             dist.all_gather_object(handles, self.ipc.ipc_handle(), group=group)
             self.ipc.open_peers(handles)
             dist.barrier(group=group)  # every rank has mapped every buffer before anyone writes
+        self.ll: Optional["_C.LowLatencyBuffer"] = None
+        self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
+        if num_rdma_bytes > 0 and _C.has_nvshmem():
+            _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+            self.ll = _C.LowLatencyBuffer(
+                rank, num_ranks, num_rdma_bytes, allow_nvlink, self.timeout_ns, torch.cuda.current_device()
+            )
 
     def engine_calls(self) -> tuple:
         calls = ("get_dispatch_layout",)
         if self.ipc is not None:
             calls += ("dispatch", "cached_dispatch", "combine")
+        if self.ll is not None:
+            calls += ("low_latency_dispatch", "low_latency_combine")
         return calls
 
     def destroy(self) -> None:
         if self.ipc is not None:
             self.ipc.destroy()
             self.ipc = None
+        if self.ll is not None:
+            self.ll.destroy()
+            self.ll = None
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -226,6 +243,113 @@ class CudaBackend(ReferenceBackend):
             num_recv=int(matrix[:, self.rank].sum()),
         )
         return handle
+
+
+    # ------------------------------------------------------------------ low-latency dispatch / combine
+    def _ll_prepare(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        # Signals sit at shape-dependent offsets: a call of another shape first clears the buffer (collectively: every
+        # rank makes the same calls), so bytes left by the old layout cannot pass for a signal.
+        shape = (max_tokens, hidden, num_experts)
+        if self._ll_shape is not None and self._ll_shape != shape:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "low-latency call: shape (max_tokens, hidden, num_experts) changed from "
+                    f"{self._ll_shape} to {shape} "
+                    "during CUDA-graph capture; the buffer must be cleaned (a host sync) first: make one eager call of "
+                    "the new shape before capturing"
+                )
+            self.ll.clean()
+        self._ll_shape = shape
+
+    def low_latency_dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+        buffer_id,
+        half=0,
+        cumulative_stats=None,
+    ):
+        if self.ll is None or not x.is_cuda:
+            return super().low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, buffer_id,
+                half=half, cumulative_stats=cumulative_stats,
+            )
+        num_tokens, hidden = x.shape
+        max_tokens = num_max_dispatch_tokens_per_rank
+        self._ll_prepare(max_tokens, hidden, num_experts)
+        num_local_experts = num_experts // self.num_ranks
+        send_slot = self.ll.dispatch_send(half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale)
+        src_info = torch.empty((num_local_experts, self.num_ranks * max_tokens), dtype=torch.int32, device=x.device)
+        layout_range = torch.empty((num_local_experts, self.num_ranks), dtype=torch.int64, device=x.device)
+        handle = LowLatencyHandle(
+            buffer_id=buffer_id,
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            hidden=hidden,
+            num_experts=num_experts,
+            num_tokens=num_tokens,
+            num_topk=topk_idx.size(1),
+            backend_state={"engine": "cuda", "send_slot": send_slot},
+        )
+
+        def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count: torch.Tensor) -> None:
+            # The scales are a transposed view of a [E_local, groups, slots] tensor: the kernel writes that storage.
+            storage = None if recv_scales is None else recv_scales.transpose(1, 2)
+            self.ll.dispatch_recv(
+                half, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, storage, src_info, layout_range,
+                recv_count, cumulative_stats,
+            )
+
+        return handle, receive
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0):
+        state = handle.backend_state
+        if self.ll is None or not x.is_cuda or state.get("engine") != "cuda":
+            return super().low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
+        max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
+        self._ll_prepare(max_tokens, handle.hidden, num_experts)
+        self.ll.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
+
+        def receive(out: torch.Tensor) -> None:
+            self.ll.combine_recv(
+                half, topk_idx, topk_weights, state["send_slot"], max_tokens, num_experts, out, _COMBINE_RECV_BLOCKS
+            )
+
+        return receive
+
+    def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
+        if self.ll is None or device.type != "cuda":
+            return super().low_latency_combine_buffer(half, shape, device)
+        num_local_experts, num_slots, hidden = shape
+        max_tokens = num_slots // self.num_ranks
+        return self.ll.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        if self.ll is not None:
+            self.ll.clean()
+            self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+_COMBINE_RECV_BLOCKS = 16  # blocks of the combine's receive (sum) kernel; 8 ranks x 16 fit one H200 under MPS
+_NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric heap too
+
+
+def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int) -> None:
+    """Initialise NVSHMEM over ``group`` (once per process): rank 0's unique id travels through the process group."""
+    if _C.nvshmem_is_initialized():
+        _C.nvshmem_init(b"", rank, num_ranks)  # only checks that the world is the same
+        return
+    # NVSHMEM sizes its symmetric heap from the environment at init; make room for this buffer unless the user chose.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(num_rdma_bytes + _NVSHMEM_HEAP_SLACK))
+    unique_id = [_C.nvshmem_get_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
+    _C.nvshmem_init(unique_id[0], rank, num_ranks)
 
 
 def has_nvshmem() -> bool:

@@ -311,8 +311,12 @@ class ReferenceBackend:
         round_scale: bool,
         use_ue8m0: bool,
         buffer_id: int,
+        half: int = 0,
+        cumulative_stats: Optional[torch.Tensor] = None,
     ):
-        """Exchange now; returns ``(outputs, recv_count, handle, receive)`` where ``receive(outputs)`` fills them."""
+        """Exchange now; returns ``(handle, receive)`` where ``receive(recv_x, recv_scales, recv_count)`` fills the
+        outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
+        engines."""
         num_tokens, hidden = x.shape
         num_topk = topk_idx.size(1)
         num_ranks, device = self.num_ranks, x.device
@@ -374,8 +378,12 @@ class ReferenceBackend:
 
         received = fields[:-2]
 
-        def receive(outputs: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
-            recv_x, recv_scales = outputs
+        recv_count = recv_count.to(torch.int32)
+
+        def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count_out: torch.Tensor) -> None:
+            recv_count_out.copy_(recv_count)
+            if cumulative_stats is not None:
+                cumulative_stats.add_(recv_count)
             recv_x.view(torch.uint8).zero_()
             recv_x.view(num_local_experts * num_slots, hidden)[flat_slot] = received[0]
             if recv_scales is not None:
@@ -400,10 +408,15 @@ class ReferenceBackend:
                 "recv_flat_slot": flat_slot,
             },
         )
-        return recv_count.to(torch.int32), handle, receive
+        return handle, receive
 
     def low_latency_combine(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        half: int = 0,
     ):
         """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``."""
         state = handle.backend_state

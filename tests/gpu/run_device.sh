@@ -29,6 +29,8 @@ if [ "${1:-}" != "quick" ]; then
     start_mps
     python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 --out "$OUT/bench_intranode_16sms.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$"
     [ "${EP_BENCH_8SMS:-1}" = 1 ] && python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_intranode_8sms.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
+    timeout 120 python3 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
+    timeout 120 python3 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
     stop_mps
 fi
 # Last, in its own MPS session: the timeout test traps a kernel on purpose.

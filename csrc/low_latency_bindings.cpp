@@ -1,0 +1,167 @@
+// Python bindings of the low-latency engine (ep_dispatcher._C.LowLatencyBuffer). Internal: ep_dispatcher's
+// CudaBackend validates arguments, picks the buffer half and owns the call sequence; checks here guard C++ only.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels/common.cuh"
+#include "kernels/low_latency.cuh"
+#include "runtime/nvshmem_runtime.h"
+
+namespace py = pybind11;
+
+namespace ep {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// One rank's share of the symmetric low-latency buffer, its peers' direct mappings and the epochs.
+class LowLatencyBuffer {
+   public:
+    LowLatencyBuffer(int rank, int num_ranks, int64_t num_bytes, bool allow_direct_peers, int64_t timeout_ns, int device)
+        : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_ns_(timeout_ns), device_(device) {
+        EP_HOST_ASSERT(num_ranks <= low_latency::kMaxRanks, "low-latency kernels support up to ", low_latency::kMaxRanks, " ranks");
+        const c10::cuda::CUDAGuard guard(device);
+        base_ = static_cast<uint8_t*>(nvshmem_runtime::alloc(num_bytes));
+        std::vector<int64_t> peers(num_ranks, 0);
+        for (int pe = 0; pe < num_ranks; ++pe) {
+            peers[pe] = allow_direct_peers ? nvshmem_runtime::peer_pointer(base_, pe) : 0;
+            if (peers[pe] != 0) ++num_direct_peers_;
+        }
+        EP_CUDA_CHECK(cudaMalloc(&peer_base_, num_ranks * sizeof(int64_t)));
+        EP_CUDA_CHECK(cudaMemcpy(peer_base_, peers.data(), num_ranks * sizeof(int64_t), cudaMemcpyHostToDevice));
+        EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(low_latency::State)));
+        EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(low_latency::State)));
+    }
+
+    int num_direct_peers() const { return num_direct_peers_; }
+
+    low_latency::Layout layout(int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
+        const auto L = low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
+        TORCH_CHECK_VALUE(2 * L.half_bytes <= num_bytes_, "num_rdma_bytes: these low-latency shapes need ", 2 * L.half_bytes,
+                          " bytes, the buffer has ", num_bytes_);
+        return L;
+    }
+
+    low_latency::Half half(int64_t index, const low_latency::Layout& L) const {
+        TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
+        TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
+        return low_latency::Half{base_ + index * L.half_bytes, peer_base_, static_cast<int>(index), rank_, state_, timeout_ns_};
+    }
+
+    at::Tensor dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
+                             bool use_fp8, bool round_scale) {
+        check(x, "x");
+        check(topk_idx, "topk_idx");
+        const auto L = layout(max_tokens, num_experts, x.size(1));
+        const auto h = half(half_index, L);
+        const int num_tokens = static_cast<int>(x.size(0)), num_topk = static_cast<int>(topk_idx.size(1));
+        at::Tensor send_slot = at::empty({num_tokens, num_topk}, topk_idx.options().dtype(at::kInt));
+        low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
+                                   send_slot.data_ptr<int>(), stream());
+        return send_slot;
+    }
+
+    void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
+                       const at::Tensor& recv_x, const OptTensor& recv_scales, const at::Tensor& src_info, const at::Tensor& layout_range,
+                       const at::Tensor& recv_count, const OptTensor& cumulative_stats) {
+        for (const auto* t : {&recv_x, &src_info, &layout_range, &recv_count}) check(*t, "output");
+        if (use_fp8) TORCH_CHECK_VALUE(recv_scales.has_value(), "recv_scales: required with use_fp8");
+        if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
+        const auto L = layout(max_tokens, num_experts, hidden);
+        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(), recv_scales ? recv_scales->data_ptr() : nullptr,
+                                   src_info.data_ptr<int>(), layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
+                                   cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr, stream());
+    }
+
+    void combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts) {
+        check(x, "x");
+        check(layout_range, "layout_range");
+        const auto L = layout(max_tokens, num_experts, x.size(2));
+        const auto h = half(half_index, L);
+        const bool staged = x.data_ptr() == static_cast<void*>(h.local + L.send_offset());
+        low_latency::combine_send(L, h, x.data_ptr(), staged, layout_range.data_ptr<int64_t>(), stream());
+    }
+
+    void combine_recv(int64_t half_index, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
+                      int64_t max_tokens, int64_t num_experts, const at::Tensor& out, int64_t num_sms) {
+        for (const auto* t : {&topk_idx, &topk_weights, &send_slot, &out}) check(*t, "combine input");
+        const auto L = layout(max_tokens, num_experts, out.size(1));
+        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), send_slot.data_ptr<int>(),
+                                  static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
+                                  static_cast<int>(num_sms), stream());
+    }
+
+    // The half's send area as the [E_local, R * T, H] bf16 combine input (zero-copy combine).
+    at::Tensor combine_buffer(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
+        const auto L = layout(max_tokens, num_experts, hidden);
+        const auto h = half(half_index, L);
+        const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, device_);
+        return at::from_blob(h.local + L.send_offset(), {L.num_local_experts, int64_t(num_ranks_) * max_tokens, hidden}, options);
+    }
+
+    // Collective: zero the whole buffer and the epochs (after the ranks' previous work has finished).
+    void clean() {
+        TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
+        const c10::cuda::CUDAGuard guard(device_);
+        EP_CUDA_CHECK(cudaDeviceSynchronize());
+        nvshmem_runtime::barrier_all();
+        EP_CUDA_CHECK(cudaMemset(base_, 0, num_bytes_));
+        EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(low_latency::State)));
+        EP_CUDA_CHECK(cudaDeviceSynchronize());
+        nvshmem_runtime::barrier_all();
+    }
+
+    // Collective (nvshmem_free).
+    void destroy() {
+        if (base_ == nullptr) return;
+        const c10::cuda::CUDAGuard guard(device_);
+        EP_CUDA_CHECK(cudaDeviceSynchronize());
+        nvshmem_runtime::free(base_);
+        base_ = nullptr;
+        cudaFree(peer_base_);
+        cudaFree(state_);
+    }
+
+   private:
+    void check(const at::Tensor& t, const char* name) const {
+        TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, name, ": expected a tensor on cuda:", device_, ", got ", t.device());
+        TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
+    }
+    cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_); }
+
+    int rank_, num_ranks_;
+    int64_t num_bytes_, timeout_ns_;
+    int device_;
+    int num_direct_peers_ = 0;
+    uint8_t* base_ = nullptr;
+    int64_t* peer_base_ = nullptr;
+    low_latency::State* state_ = nullptr;
+};
+
+}  // namespace
+
+void register_low_latency(py::module_& m) {
+    py::class_<LowLatencyBuffer>(m, "LowLatencyBuffer", "One rank's NVSHMEM low-latency buffer (two halves) and its epochs.")
+        .def(py::init<int, int, int64_t, bool, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
+             py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"))
+        .def_property_readonly("num_direct_peers", &LowLatencyBuffer::num_direct_peers)
+        .def("half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; })
+        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::call_guard<py::gil_scoped_release>())
+        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::call_guard<py::gil_scoped_release>())
+        .def("combine_send", &LowLatencyBuffer::combine_send, py::call_guard<py::gil_scoped_release>())
+        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::call_guard<py::gil_scoped_release>())
+        .def("combine_buffer", &LowLatencyBuffer::combine_buffer)
+        .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
+        .def("destroy", &LowLatencyBuffer::destroy, py::call_guard<py::gil_scoped_release>());
+    m.def("nvshmem_init", &nvshmem_runtime::init, py::arg("unique_id"), py::arg("rank"), py::arg("num_ranks"),
+          "Collective: initialise NVSHMEM on the current device from rank 0's unique id (once per process).");
+    m.def("nvshmem_is_initialized", &nvshmem_runtime::is_initialized);
+}
+
+}  // namespace ep

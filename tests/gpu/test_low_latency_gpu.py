@@ -1,0 +1,294 @@
+"""Low-latency CUDA engine (NVSHMEM) vs the reference backend, with N ranks sharing the GPU(s).
+
+Each rank runs the same calls on a ``backend="cuda"`` buffer and a ``backend="reference"`` buffer and compares:
+``recv_count``, the received rows (FP8 bytes and scales) of every valid slot, ``src_info`` and ``layout_range``
+of the handle, and the combined output, all bit for bit (the kernels keep the reference's slot order and its
+fp32 summation order). Slots past ``recv_count`` are unspecified and not compared; outputs are allocated over
+poisoned memory so that a slot the kernels forgot cannot pass with stale data.
+
+Needs NVSHMEM (``_C.has_nvshmem()``) and, with several ranks on one GPU, MPS (tests/gpu/run_device.sh).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import reference_cases as rc
+from tests.dist import run
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+try:
+    import ep_dispatcher._C as _C
+except ImportError as e:  # pragma: no cover - depends on the build
+    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
+if not _C.has_nvshmem():
+    pytest.skip("ep_dispatcher._C was built without NVSHMEM", allow_module_level=True)
+
+from ep_dispatcher import Buffer  # noqa: E402
+
+WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
+# (max_tokens, hidden, experts per rank, top-k): the decode shape, a small one, and a hidden that is a multiple
+# of 128 but not of 256 (the FP8 cast's second half-warp idles) nor of 512 (no UE8M0).
+SHAPES = [(128, 7168, None, 8), (32, 2048, 4, 4), (16, 640, 3, 3)]
+TIMEOUT_S = 60
+
+
+def _env() -> None:
+    # One GPU, no NIC: NVSHMEM's P2P transport only (DESIGN.md section 5).
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+
+def _num_experts(world: int, per_rank) -> int:
+    return 256 if per_rank is None else per_rank * world
+
+
+def _buffers(world: int, allow_nvlink: bool = True, shapes=SHAPES):
+    _env()
+    torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+    size = max(Buffer.get_low_latency_rdma_size_hint(t, h, world, _num_experts(world, e)) for t, h, e, _ in shapes)
+    cuda = Buffer(
+        None,
+        low_latency_mode=True,
+        num_rdma_bytes=size,
+        backend="cuda",
+        allow_nvlink_for_low_latency_mode=allow_nvlink,
+        timeout_s=TIMEOUT_S,
+    )
+    ref = Buffer(None, low_latency_mode=True, num_rdma_bytes=size, backend="reference")
+    assert "low_latency_dispatch" in cuda.engine_calls and "low_latency_combine" in cuda.engine_calls
+    return cuda, ref
+
+
+def _case(seed: int, world: int, max_tokens: int, hidden: int, per_rank, topk: int) -> rc.Case:
+    g = torch.Generator().manual_seed(seed)
+    tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=g)) for _ in range(world)]
+    tokens[seed % world] = max_tokens  # exactly num_max_dispatch_tokens_per_rank
+    if world > 1:
+        tokens[(seed + 1) % world] = 0  # a rank with nothing to send
+    return rc.Case(
+        seed=seed,
+        num_ranks=world,
+        num_experts=_num_experts(world, per_rank),
+        num_topk=topk,
+        hidden=hidden,
+        tokens_per_rank=tokens,
+        minus_one_fraction=(0.0, 0.1, 0.3)[seed % 3],
+        skewed=bool(seed % 2),
+    )
+
+
+def _poison(device) -> None:
+    # Freed blocks of torch's pool come back full of 0x7F bytes (NaN in bf16, 448 in e4m3).
+    junk = torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device=device)
+    del junk
+
+
+def _expert_outputs(seed: int, rank: int, shape, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7 + rank)
+    return (torch.randn(shape, generator=g) * 2).to(torch.bfloat16).to(device)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _compare_dispatch(errors, tag, out_c, out_r, use_fp8) -> list:
+    recv_c, count_c, handle_c = out_c[:3]
+    recv_r, count_r, handle_r = out_r[:3]
+    torch.cuda.synchronize()
+    if not torch.equal(count_c, count_r):
+        errors.append(f"{tag}: recv_count {count_c.tolist()} != {count_r.tolist()}")
+        return count_r.tolist()
+    data_c, scales_c = recv_c if use_fp8 else (recv_c, None)
+    data_r, scales_r = recv_r if use_fp8 else (recv_r, None)
+    counts = count_r.tolist()
+    for e, n in enumerate(counts):
+        if not torch.equal(_bytes(data_c[e, :n]), _bytes(data_r[e, :n])):
+            errors.append(f"{tag}: expert {e} data")
+        if scales_c is not None and not torch.equal(scales_c[e, :n], scales_r[e, :n]):
+            errors.append(f"{tag}: expert {e} scales")
+    if not torch.equal(handle_c.src_info, handle_r.src_info):
+        errors.append(f"{tag}: src_info")
+    if not torch.equal(handle_c.layout_range, handle_r.layout_range):
+        errors.append(f"{tag}: layout_range")
+    return counts
+
+
+def _modes(hidden: int):
+    modes = [dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_scale=True)]
+    if hidden % 512 == 0:
+        modes.append(dict(use_fp8=True, round_scale=True, use_ue8m0=True))
+    return modes
+
+
+def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
+    cuda, ref = _buffers(world, allow_nvlink)
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not allow_nvlink:
+        assert cuda._backend.ll.num_direct_peers == 0, "allow_nvlink_for_low_latency_mode=False must use NVSHMEM puts"
+    errors: list = []
+    for shape_index, (max_tokens, hidden, per_rank, topk) in enumerate(SHAPES):
+        for seed in seeds:
+            case = _case(seed * 10 + shape_index, world, max_tokens, hidden, per_rank, topk)
+            E = case.num_experts
+            x, topk_idx, topk_weights = (t.to(device) for t in rc.rank_inputs(case, rank))
+            stats_c = torch.zeros(E // world, dtype=torch.int32, device=device)
+            stats_r = torch.zeros_like(stats_c)
+            for mode_index, mode in enumerate(_modes(hidden)):
+                tag = f"rank {rank} seed {seed} shape {(max_tokens, hidden, E, topk)} {mode}"
+                hooked = (seed + mode_index) % 2 == 1
+                _poison(device)
+                out_c = cuda.low_latency_dispatch(
+                    x, topk_idx, max_tokens, E, return_recv_hook=hooked, cumulative_local_expert_recv_stats=stats_c,
+                    **mode,
+                )
+                if hooked:
+                    out_c[4]()
+                out_r = ref.low_latency_dispatch(
+                    x, topk_idx, max_tokens, E, cumulative_local_expert_recv_stats=stats_r, **mode
+                )
+                _compare_dispatch(errors, tag, out_c, out_r, mode["use_fp8"])
+
+                # Combine: the same expert outputs on both; zero-copy and out= on alternate calls.
+                y = _expert_outputs(seed + mode_index, rank, (E // world, world * max_tokens, hidden), device)
+                zero_copy = mode_index % 2 == 1
+                x_c = y
+                if zero_copy:
+                    x_c = cuda.get_next_low_latency_combine_buffer(out_c[2])
+                    x_c.copy_(y)
+                out = torch.full((x.size(0), hidden), float("nan"), dtype=torch.bfloat16, device=device)
+                comb_c, event, hook = cuda.low_latency_combine(
+                    x_c, topk_idx, topk_weights, out_c[2], zero_copy=zero_copy, return_recv_hook=not hooked, out=out,
+                    async_finish=hooked,
+                )
+                if not hooked:
+                    hook()
+                else:
+                    event.current_stream_wait()
+                comb_r, _, _ = ref.low_latency_combine(y, topk_idx, topk_weights, out_r[2])
+                torch.cuda.synchronize()
+                if comb_c.data_ptr() != out.data_ptr():
+                    errors.append(f"{tag}: combine ignored out=")
+                if not torch.equal(comb_c, comb_r):
+                    diff = (comb_c.float() - comb_r.float()).abs().nan_to_num(float("inf")).max().item()
+                    errors.append(f"{tag}: combine zero_copy={zero_copy} max diff {diff}")
+            if not torch.equal(stats_c, stats_r):
+                errors.append(f"rank {rank} seed {seed}: cumulative stats {stats_c.tolist()} != {stats_r.tolist()}")
+    cuda.destroy()
+    return errors
+
+
+def _raise(results) -> None:
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_low_latency_matches_reference(world):
+    _raise(run(_compare_worker, world, [1, 2], True))
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1][-1:])
+def test_low_latency_over_nvshmem_puts(world):
+    """``allow_nvlink_for_low_latency_mode=False``: every transfer is an NVSHMEM put + signal (the RDMA path)."""
+    _raise(run(_compare_worker, world, [3], False))
+
+
+GRAPH_SHAPE = (64, 2048, 4, 4)
+
+
+def _graph_worker(rank: int, world: int, seeds) -> list:
+    max_tokens, hidden, per_rank, topk = GRAPH_SHAPE
+    cuda, ref = _buffers(world, shapes=[GRAPH_SHAPE])
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = per_rank * world
+    static_x = torch.empty((max_tokens, hidden), dtype=torch.bfloat16, device=device)
+    static_idx = torch.empty((max_tokens, topk), dtype=torch.int64, device=device)
+    static_w = torch.empty((max_tokens, topk), dtype=torch.float32, device=device)
+
+    def load(seed: int):
+        case = _case(seed, world, max_tokens, hidden, per_rank, topk)
+        case.tokens_per_rank = [max_tokens] * world  # a graph has fixed shapes
+        x, idx, w = (t.to(device) for t in rc.rank_inputs(case, rank))
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        return x, idx, w
+
+    def step(x, idx, w, buffer, hooked):
+        (data, scales), count, handle, _, hook = buffer.low_latency_dispatch(
+            x, idx, max_tokens, E, use_fp8=True, return_recv_hook=hooked
+        )
+        if hooked:
+            hook()
+        y = (data.float() * scales[:, :, :1]).to(torch.bfloat16)  # any function of the received rows
+        out, _, hook = buffer.low_latency_combine(y, idx, w, handle, return_recv_hook=hooked)
+        if hooked:
+            hook()
+        return data, count, out
+
+    errors: list = []
+    load(seeds[0])
+    step(static_x, static_idx, static_w, cuda, True)  # eager warm-up: the buffer is laid out for this shape
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_data, g_count, g_out = step(static_x, static_idx, static_w, cuda, True)
+    for seed in seeds:
+        x, idx, w = load(seed)
+        _poison(device)
+        graph.replay()
+        torch.cuda.synchronize()
+        data_r, count_r, out_r = step(x, idx, w, ref, False)
+        if not torch.equal(g_count, count_r):
+            errors.append(f"rank {rank} graph seed {seed}: recv_count")
+            continue
+        for e, n in enumerate(count_r.tolist()):
+            if not torch.equal(_bytes(g_data[e, :n]), _bytes(data_r[e, :n])):
+                errors.append(f"rank {rank} graph seed {seed}: expert {e} data")
+        if not torch.equal(g_out, out_r):
+            errors.append(f"rank {rank} graph seed {seed}: combined output")
+    cuda.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_low_latency_cuda_graph_replay_with_new_inputs(world):
+    _raise(run(_graph_worker, world, [11, 12, 13, 14]))
+
+
+def _stress_worker(rank: int, world: int, iterations: int) -> list:
+    """Two calls in flight on the two buffer halves, hooks run in either order, routings change every step."""
+    max_tokens, hidden, per_rank, topk = 32, 1024, 4, 4
+    cuda, ref = _buffers(world, shapes=[(max_tokens, hidden, per_rank, topk)])
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = per_rank * world
+    errors: list = []
+    for it in range(iterations):
+        cases = [_case(1000 + 2 * it + j, world, max_tokens, hidden, per_rank, topk) for j in range(2)]
+        inputs = [[t.to(device) for t in rc.rank_inputs(c, rank)] for c in cases]
+        outs = [
+            cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False, return_recv_hook=True)
+            for x, idx, _ in inputs
+        ]
+        for j in ((0, 1) if it % 2 else (1, 0)):
+            outs[j][4]()
+        for j, (x, idx, _) in enumerate(inputs):
+            ref_out = ref.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+            _compare_dispatch(errors, f"rank {rank} iteration {it} call {j}", outs[j], ref_out, False)
+        if errors:
+            break
+    cuda.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLDS[-1:])
+def test_low_latency_back_to_back_two_in_flight(world):
+    _raise(run(_stress_worker, world, int(os.environ.get("EP_GPU_STRESS_ITERS", "100"))))

@@ -1,0 +1,73 @@
+"""benchmarks/bench_dbo.py and benchmarks/bench_megatron_step.py run on CPU (2 gloo ranks, tiny shapes), write the
+JSON they promise and check their results: DBO bit-exact, Megatron's two dispatchers within the example's tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import megatron.core  # noqa: F401
+
+    MEGATRON_SKIP_REASON = None
+except Exception as e:  # noqa: BLE001  (ImportError, or a broken dependency such as triton raising anything)
+    MEGATRON_SKIP_REASON = f"megatron-core is not importable: {type(e).__name__}: {e}"
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 180  # a hung rank fails the test instead of the suite
+
+
+def _run_bench(script: str, out: str, *options: str) -> dict:
+    command = [sys.executable, os.path.join(REPO, "benchmarks", script), "--device", "cpu", "--ranks", "2", *options]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [*command, "--out", out], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=env, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_bench_dbo_cpu(tmp_path):
+    result = _run_bench(
+        "bench_dbo.py",
+        str(tmp_path / "dbo.json"),
+        *("--tokens", "8,16", "--layers", "1", "--steps", "2", "--warmup", "1"),
+        *("--hidden", "128", "--ffn", "64", "--experts", "8", "--topk", "2"),
+    )
+    assert result["process_group"] == "gloo" and result["devices"] == ["cpu"]
+    assert set(result["per_tokens"]) == {"8", "16"}
+    for row in result["per_tokens"].values():
+        assert set(row) == {
+            "plain_ms", "overlap_ms", "plain_tokens_per_s", "overlap_tokens_per_s", "speedup", "max_diff"
+        }
+        assert row["plain_ms"] > 0 and row["overlap_ms"] > 0
+        assert row["max_diff"] == 0.0  # same math per token in both paths: bit-identical
+    assert result["ok"] is True
+
+
+@pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
+def test_bench_megatron_step_cpu(tmp_path):
+    # --host-staging always: the shim that the one-GPU run needs for the allgather baseline also runs here on CPU.
+    result = _run_bench(
+        "bench_megatron_step.py",
+        str(tmp_path / "megatron.json"),
+        *("--steps", "2", "--warmup", "1", "--layers", "1", "--hidden", "32", "--heads", "4"),
+        *("--experts", "4", "--topk", "2", "--seq", "16", "--tokens", "32", "--vocab", "64"),
+        *("--host-staging", "always"),
+    )
+    assert result["process_group"] == "gloo" and result["devices"] == ["cpu"] and result["host_staging"] is True
+    assert set(result["dispatchers"]) == {"deepep", "allgather"}
+    for row in result["dispatchers"].values():
+        assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step"} <= set(row)
+        assert row["median_step_ms"] > 0 and len(row["losses"]) == 3
+    assert result["dispatchers"]["allgather"]["staged_calls_per_step"].get("all_gather_into_tensor", 0) > 0
+    assert result["dispatchers"]["allgather"]["staged_calls_per_step"].get("reduce_scatter_tensor", 0) > 0
+    assert result["dispatchers"]["deepep"]["staged_calls_per_step"] == {}  # ep_dispatcher stages by itself
+    assert len(result["loss_diff_per_step"]) == 3
+    assert result["tolerance"] == 1e-5  # fp32: the example's tolerance (summation order only)
+    assert result["max_loss_diff"] <= result["tolerance"] and result["ok"] is True
