@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# One full GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the
-# benchmarks. Logs and JSON go to $OUT (default /tmp/ep_out). Usage: bash tests/gpu/run_device.sh [quick]
+# GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
+# Logs and JSON go to $OUT (default /tmp/ep_out).
+# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench timeout (default: all of them, in order)
+# Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo  # one GPU, no NIC (DESIGN.md 5)
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpu.txt"
-
-start=$(date +%s)
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-grep "ep_dispatcher setup" "$OUT/build.log"; echo "build: $(( $(date +%s) - start )) s"
+PHASES=${*:-build tests ll bench timeout}
 
 start_mps() {
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
@@ -19,23 +17,59 @@ start_mps() {
     nvidia-cuda-mps-control -d && sleep 1
 }
 stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
+phase_start() { echo "=== $1 ($(date +%T))"; t0=$(date +%s); }
+phase_end() { echo "=== $1 done: $(( $(date +%s) - t0 )) s"; }
+bench() { timeout "$1" python3 "${@:2}" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"; }
 
 rc=0
-start_mps
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py tests/gpu/test_dbo_gpu.py tests/test_extension_import.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-stop_mps
-if [ "${1:-}" != "quick" ]; then
-    start_mps
-    python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 --out "$OUT/bench_intranode_16sms.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$"
-    [ "${EP_BENCH_8SMS:-1}" = 1 ] && python3 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_intranode_8sms.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
-    timeout 120 python3 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
-    timeout 120 python3 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
-    stop_mps
-fi
-# Last, in its own MPS session: the timeout test traps a kernel on purpose.
-start_mps
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-stop_mps
+for phase in $PHASES; do
+    phase_start "$phase"
+    case $phase in
+    build)
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+        python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpu.txt"
+        python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+        grep "ep_dispatcher setup" "$OUT/build.log"
+        python3 -c 'import ep_dispatcher._C as C; print("nvshmem", C.has_nvshmem(), C.cuda_arch_list())'
+        ;;
+    tests)
+        start_mps
+        timeout ${EP_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layout_gpu.py \
+            tests/gpu/test_intranode_gpu.py tests/gpu/test_dbo_gpu.py tests/test_extension_import.py 2>&1 \
+            | tee "$OUT/gpu_tests.log" | tail -30
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        stop_mps
+        ;;
+    ll)
+        start_mps
+        timeout ${EP_LL_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_low_latency_gpu.py 2>&1 \
+            | tee "$OUT/ll_tests.log" | tail -30
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        stop_mps
+        ;;
+    bench)
+        start_mps
+        bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
+        bench 120 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
+            --out "$OUT/bench_intranode_16sms.json"
+        [ "${EP_BENCH_8SMS:-1}" = 1 ] && bench 100 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 \
+            --groups 3 --out "$OUT/bench_intranode_8sms.json"
+        bench 60 benchmarks/bench_intranode.py --ranks 1 --num-sms 24 --sweep 4096 --calls 5 --groups 3 \
+            --out "$OUT/bench_intranode_ep1.json"
+        bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json"
+        bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
+            --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
+        stop_mps
+        ;;
+    timeout)
+        # Last: the timeout test traps a kernel on purpose.
+        start_mps
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        stop_mps
+        ;;
+    *) echo "unknown phase $phase"; rc=1 ;;
+    esac
+    phase_end "$phase"
+done
 exit $rc

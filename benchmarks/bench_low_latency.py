@@ -1,0 +1,236 @@
+"""Low-latency (decode) dispatch/combine benchmark: N ranks on the visible GPU(s) (one GPU: run under MPS).
+
+    python benchmarks/bench_low_latency.py --ranks 8                       # 128 tokens/rank, the decode shape
+    python benchmarks/bench_low_latency.py --ranks 8 --sweep 1,8,32,64,128,256 --out bench_ll.json
+
+Shape (DESIGN.md section 6): hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine. For each token count
+the table shows, per call (median over --groups groups of --calls back-to-back calls, CUDA events):
+  - one-shot dispatch and combine (send + receive in one call), eager;
+  - the same pair replayed from a CUDA graph (no launch cost): eager - graph is the launch/host overhead;
+  - with return_recv_hook=True, the send phase and the receive phase separately (the receive is timed after a
+    spin of --gap-us on the GPU, so that it measures the receive kernel, not the wait for the slowest peer).
+Bytes in the field's accounting: dispatch = valid (token, expert) entries sent by the rank x (hidden FP8 bytes +
+hidden/128 fp32 scales); combine = the same entries x hidden BF16 bytes. The limit on one GPU is the device-to-device
+copy bandwidth measured in the same run, and "copy" is the time that copy bandwidth would need for the call's bytes
+(read + write); "launch" is the measured cost of one empty kernel launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ep_dispatcher import Buffer  # noqa: E402
+from ep_dispatcher.launch import spawn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_intranode import copy_bandwidth_gbps  # noqa: E402
+
+PUBLISHED_US = {"pplx 8xH100": (83.6, 102.3), "DeepEP CX7": (43.0, 72.0)}  # (dispatch, combine) at 128 tokens
+
+
+def _events(n: int):
+    return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+
+def _median_us(fn: Callable[[], None], calls: int, groups: int) -> float:
+    """Median over ``groups`` of the mean time (µs) of ``calls`` back-to-back ``fn()``."""
+    fn()
+    torch.cuda.synchronize()
+    per_call: List[float] = []
+    for _ in range(groups):
+        dist.barrier()
+        start, end = _events(2)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(per_call)
+
+
+def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, device):
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn((tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand((tokens, experts), generator=g).topk(topk, dim=1).indices.to(device)
+    topk_weights = torch.rand((tokens, topk), generator=g).to(device)
+    return x, topk_idx, topk_weights
+
+
+def _launch_us(device) -> float:
+    """Host cost of one tiny kernel launch, µs (back-to-back launches of an empty elementwise op)."""
+    t = torch.zeros(1, device=device)
+    return _median_us(lambda: t.add_(0), 200, 3)
+
+
+def _phases_us(buffer: Buffer, x, topk_idx, topk_weights, tokens: int, experts: int, gap_us: float, groups: int):
+    """Hooked send and receive phases of dispatch and combine, each the median of ``groups`` single calls."""
+    gap_cycles = int(gap_us * 1.98e3)  # H200 SM clock ~1.98 GHz
+    rows = {"dispatch_send": [], "dispatch_recv": [], "combine_send": [], "combine_recv": []}
+    for _ in range(groups):
+        dist.barrier()
+        ev = _events(8)
+        ev[0].record()
+        recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
+            x, topk_idx, tokens, experts, use_fp8=True, return_recv_hook=True
+        )
+        ev[1].record()
+        torch.cuda._sleep(gap_cycles)
+        ev[2].record()
+        hook()
+        ev[3].record()
+        y = buffer.get_next_low_latency_combine_buffer(handle)
+        ev[4].record()
+        _, _, hook = buffer.low_latency_combine(
+            y, topk_idx, topk_weights, handle, zero_copy=True, return_recv_hook=True
+        )
+        ev[5].record()
+        torch.cuda._sleep(gap_cycles)
+        ev[6].record()
+        hook()
+        ev[7].record()
+        ev[7].synchronize()
+        for name, (a, b) in zip(rows, ((0, 1), (2, 3), (4, 5), (6, 7))):
+            rows[name].append(ev[a].elapsed_time(ev[b]) * 1e3)
+    return {name: statistics.median(v) for name, v in rows.items()}
+
+
+def _rank_main(rank: int, world: int, args) -> Dict:
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    sweep = [int(t) for t in args.sweep.split(",")]
+    hidden, experts, topk = args.hidden, args.experts, args.topk
+    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
+    buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda")
+    if "low_latency_dispatch" not in buffer.engine_calls:
+        raise SystemExit("the CUDA engine has no low-latency kernels here (built without NVSHMEM?)")
+    copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
+    launch_us = _launch_us(device)
+    rows = {}
+    for tokens in sweep:
+        x, topk_idx, topk_weights = _routing(rank, tokens, hidden, experts, topk, device)
+        entries = int((topk_idx >= 0).sum())
+        dispatch_bytes = entries * (hidden + hidden // 128 * 4)
+        combine_bytes = entries * hidden * 2
+        state = {}
+
+        def dispatch():
+            state["out"] = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True)
+
+        def combine():
+            handle = state["out"][2]
+            y = buffer.get_next_low_latency_combine_buffer(handle)
+            buffer.low_latency_combine(y, topk_idx, topk_weights, handle, zero_copy=True)
+
+        def pair():
+            dispatch()
+            combine()
+
+        dispatch_us = _median_us(dispatch, args.calls, args.groups)  # dispatches alone, back to back
+        pair_us = _median_us(pair, args.calls, args.groups)
+        combine_us = pair_us - dispatch_us
+
+        # The same pair from a CUDA graph: per-pair time without launch and Python cost.
+        pair()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(args.calls):
+                pair()
+        graph_pair_us = _median_us(graph.replay, 1, args.groups) / args.calls
+        phases = _phases_us(buffer, x, topk_idx, topk_weights, tokens, experts, args.gap_us, args.groups)
+        del graph
+        rows[tokens] = dict(
+            entries=entries,
+            dispatch_bytes=dispatch_bytes,
+            combine_bytes=combine_bytes,
+            dispatch_us=dispatch_us,
+            combine_us=combine_us,
+            graph_pair_us=graph_pair_us,
+            eager_pair_us=pair_us,
+            **phases,
+        )
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    buffer.destroy()
+    return {"rows": gathered, "copy_gbps": copy_gbps, "launch_us": launch_us}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--sweep", default="128", help="comma-separated tokens per rank")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--groups", type=int, default=10)
+    parser.add_argument("--gap-us", type=float, default=50.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    results = spawn(_rank_main, args.ranks, args, backend="gloo")
+    r0 = results[0]
+    per_rank = r0["rows"]
+    copy_gbps = r0["copy_gbps"]
+    print(
+        f"ranks {args.ranks} on {torch.cuda.device_count()} GPU(s) ({torch.cuda.get_device_name(0)}), hidden "
+        f"{args.hidden}, top-{args.topk} of {args.experts}; copy bandwidth {copy_gbps:.0f} GB/s; one kernel launch "
+        f"{r0['launch_us']:.1f} µs. Times: slowest rank, µs per call."
+    )
+    header = (
+        f"{'tokens':>6} {'dispatch':>9} {'combine':>8} {'graph d+c':>9} {'d send':>7} {'d recv':>7} {'c send':>7} "
+        f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14}"
+    )
+    print(header)
+    summary = {}
+    for tokens in per_rank[0]:
+        rows = [r[tokens] for r in per_rank]
+        worst = {k: max(r[k] for r in rows) for k in rows[0]}
+        d_bytes = sum(r["dispatch_bytes"] for r in rows)
+        c_bytes = sum(r["combine_bytes"] for r in rows)
+        rank_d_gbps = statistics.mean(r["dispatch_bytes"] for r in rows) / (worst["dispatch_us"] * 1e3)
+        rank_c_gbps = statistics.mean(r["combine_bytes"] for r in rows) / (worst["combine_us"] * 1e3)
+        copy_limit_us = 2 * (d_bytes + c_bytes) / (copy_gbps * 1e3)  # aggregate bytes, read + write, at copy speed
+        print(
+            f"{tokens:>6} {worst['dispatch_us']:>9.1f} {worst['combine_us']:>8.1f} {worst['graph_pair_us']:>9.1f} "
+            f"{worst['dispatch_send']:>7.1f} {worst['dispatch_recv']:>7.1f} {worst['combine_send']:>7.1f} "
+            f"{worst['combine_recv']:>7.1f} {rank_d_gbps:>9.1f} {rank_c_gbps:>9.1f} "
+            f"{d_bytes / (worst['dispatch_us'] * 1e3):>13.1f} {copy_limit_us:>14.1f}"
+        )
+        summary[tokens] = dict(
+            worst,
+            rank_dispatch_gbps=rank_d_gbps,
+            rank_combine_gbps=rank_c_gbps,
+            aggregate_dispatch_bytes=d_bytes,
+            aggregate_combine_bytes=c_bytes,
+            copy_limit_pair_us=copy_limit_us,
+            launch_overhead_share=max(0.0, 1 - worst["graph_pair_us"] / worst["eager_pair_us"]),
+        )
+    print(f"published (dispatch, combine) µs at 128 tokens, real NVLink/RDMA: {PUBLISHED_US}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"args": vars(args), "copy_gbps": copy_gbps, "launch_us": r0["launch_us"], "per_tokens": summary},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
