@@ -51,7 +51,8 @@ class LowLatencyBuffer {
     low_latency::Half half(int64_t index, const low_latency::Layout& L) const {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
         TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
-        return low_latency::Half{base_ + index * L.half_bytes, peer_base_, static_cast<int>(index), rank_, state_, timeout_ns_};
+        return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_, state_,
+                                 timeout_ns_};
     }
 
     at::Tensor dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,

@@ -31,6 +31,7 @@ constexpr int kWarpSize = 32;
 constexpr int kThreads = 512;  // 16 warps: one warp per token (cast), per expert (send) or per message (receive)
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxReceiveBlocks = 32;  // dispatch receive grid (one block per local expert up to this)
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -57,7 +58,7 @@ __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uin
     const int64_t peer = h.peer_base[pe];
     if (peer != 0) {
         __threadfence_system();
-        store_release_sys_u64(reinterpret_cast<uint64_t*>(peer + (reinterpret_cast<uint8_t*>(signal) - h.local)), value);
+        store_release_sys_u64(reinterpret_cast<uint64_t*>(peer + h.half_offset + (reinterpret_cast<uint8_t*>(signal) - h.local)), value);
         return;
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
@@ -72,7 +73,7 @@ __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uin
 __device__ __forceinline__ void warp_copy_to_peer(const Half& h, uint8_t* dst, const uint8_t* src, int64_t bytes, int pe, int lane) {
     const int64_t peer = h.peer_base[pe];
     if (peer != 0) {
-        int4* out = reinterpret_cast<int4*>(peer + (dst - h.local));
+        int4* out = reinterpret_cast<int4*>(peer + h.half_offset + (dst - h.local));
         const int4* in = reinterpret_cast<const int4*>(src);
         for (int64_t i = lane; i < bytes / 16; i += kWarpSize) out[i] = load_nc(in + i);
         return;
@@ -149,7 +150,10 @@ __device__ void finish_receive(const Layout& L, const Half& h, unsigned long lon
         h.state->arrived[h.half] = 0;
         h.state->epoch[h.half] = epoch;
     }
-    for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
+    for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
+        signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
+        quiet_puts(h, pe);
+    }
 }
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
@@ -262,70 +266,73 @@ __global__ void __launch_bounds__(kThreads) send_tokens_kernel(Layout L, Half h,
     }
 }
 
-// One block per local expert: waits for every source rank's count, packs the sources in rank order into the
-// expert-major output and writes the handle (source token of each slot, per-source ranges) and the counts.
+// One block per local expert (blocks loop when there are more experts than blocks): waits for every source rank's
+// count, packs the sources in rank order into the expert-major output and writes the handle (source token of each
+// slot, per-source ranges) and the counts.
 template <bool kUseFP8, bool kUE8M0>
 __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
                                                                   int64_t* layout_range, int* recv_count, int* cumulative_stats) {
     extern __shared__ int begin[];  // [R + 1] exclusive prefix of the per-source counts
     __shared__ unsigned long long epoch_shared;
-    const int local_expert = blockIdx.x;
     const int R = L.num_ranks, T = L.max_tokens, H = L.hidden;
     const int num_slots = R * T;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        const uint64_t v =
-            wait_signal(dispatch_signals(L, h) + local_expert * R + r, epoch, h, "dispatch receive", r, local_expert + h.rank * L.num_local_experts);
-        begin[r + 1] = static_cast<int>(v & 0xffffffffu);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        begin[0] = 0;
-        for (int r = 0; r < R; ++r) begin[r + 1] += begin[r];
-        recv_count[local_expert] = begin[R];
-        if (cumulative_stats != nullptr) cumulative_stats[local_expert] += begin[R];
-    }
-    __syncthreads();
-    const int total = begin[R];
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        layout_range[local_expert * R + r] = (static_cast<int64_t>(begin[r]) << 32) | static_cast<int64_t>(begin[r + 1] - begin[r]);
-    for (int s = total + threadIdx.x; s < num_slots; s += blockDim.x) src_info[local_expert * num_slots + s] = -1;
-
-    const int lane = threadIdx.x % kWarpSize;
-    const int groups = H / kFp8GroupSize;
-    const int64_t row_bytes = kUseFP8 ? H : 2 * H;
-    for (int slot = threadIdx.x / kWarpSize; slot < total; slot += kWarps) {
-        int r = 0;  // source rank of this slot: the last r with begin[r] <= slot
-        for (int lo = 0, hi = R - 1; lo <= hi;) {
-            const int mid = (lo + hi) / 2;
-            if (begin[mid] <= slot) r = mid, lo = mid + 1;
-            else hi = mid - 1;
+    for (int local_expert = blockIdx.x; local_expert < L.num_local_experts; local_expert += gridDim.x) {
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            const uint64_t v =
+                wait_signal(dispatch_signals(L, h) + local_expert * R + r, epoch, h, "dispatch receive", r, local_expert + h.rank * L.num_local_experts);
+            begin[r + 1] = static_cast<int>(v & 0xffffffffu);
         }
-        const uint8_t* msg =
-            h.local + L.recv_offset() + ((static_cast<int64_t>(local_expert) * R + r) * T + (slot - begin[r])) * L.dispatch_msg_bytes;
-        const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
-        // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them during this kernel.
-        const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
-        int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
-        for (int i = lane; i < row_bytes / 16; i += kWarpSize) out[i] = __ldcg(in + i);
-        if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
-        if constexpr (kUseFP8) {
-            const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
-            // Scales are stored group-major ([E_local, groups, num_slots]) and returned as a transposed view.
-            if constexpr (kUE8M0) {
-                for (int word = lane; word < groups / 4; word += kWarpSize) {
-                    uint32_t packed = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            begin[0] = 0;
+            for (int r = 0; r < R; ++r) begin[r + 1] += begin[r];
+            recv_count[local_expert] = begin[R];
+            if (cumulative_stats != nullptr) cumulative_stats[local_expert] += begin[R];
+        }
+        __syncthreads();
+        const int total = begin[R];
+        for (int r = threadIdx.x; r < R; r += blockDim.x)
+            layout_range[local_expert * R + r] = (static_cast<int64_t>(begin[r]) << 32) | static_cast<int64_t>(begin[r + 1] - begin[r]);
+        for (int s = total + threadIdx.x; s < num_slots; s += blockDim.x) src_info[local_expert * num_slots + s] = -1;
+
+        const int lane = threadIdx.x % kWarpSize;
+        const int groups = H / kFp8GroupSize;
+        const int64_t row_bytes = kUseFP8 ? H : 2 * H;
+        for (int slot = threadIdx.x / kWarpSize; slot < total; slot += kWarps) {
+            int r = 0;  // source rank of this slot: the last r with begin[r] <= slot
+            for (int lo = 0, hi = R - 1; lo <= hi;) {
+                const int mid = (lo + hi) / 2;
+                if (begin[mid] <= slot) r = mid, lo = mid + 1;
+                else hi = mid - 1;
+            }
+            const uint8_t* msg =
+                h.local + L.recv_offset() + ((static_cast<int64_t>(local_expert) * R + r) * T + (slot - begin[r])) * L.dispatch_msg_bytes;
+            const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
+            // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them during this kernel.
+            const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
+            int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
+            for (int i = lane; i < row_bytes / 16; i += kWarpSize) out[i] = __ldcg(in + i);
+            if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
+            if constexpr (kUseFP8) {
+                const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
+                // Scales are stored group-major ([E_local, groups, num_slots]) and returned as a transposed view.
+                if constexpr (kUE8M0) {
+                    for (int word = lane; word < groups / 4; word += kWarpSize) {
+                        uint32_t packed = 0;
 #pragma unroll
-                    for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b)) >> 23) & 0xffu) << (8 * b);
-                    static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] = packed;
+                        for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b)) >> 23) & 0xffu) << (8 * b);
+                        static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] = packed;
+                    }
+                } else {
+                    for (int g = lane; g < groups; g += kWarpSize)
+                        static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] = __ldcg(scales + g);
                 }
-            } else {
-                for (int g = lane; g < groups; g += kWarpSize)
-                    static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] = __ldcg(scales + g);
             }
         }
+        __syncthreads();  // `begin` is rewritten for the next expert
     }
     finish_receive(L, h, epoch);
 }
@@ -448,7 +455,8 @@ void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t*
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
     const size_t shared = (L.num_ranks + 1) * sizeof(int);
-    const dim3 grid(L.num_local_experts);
+    // Capped: every block may spin on signals, and all ranks' blocks must stay co-resident when ranks share a GPU.
+    const dim3 grid(std::min(L.num_local_experts, kMaxReceiveBlocks));
     if (!use_fp8)
         receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
                                                                                  cumulative_stats);

@@ -51,7 +51,8 @@ struct State {
 // Pointers the kernels need for one half of the buffer.
 struct Half {
     uint8_t* local;            // this rank's half (symmetric address: also valid as a put target for any PE)
-    const int64_t* peer_base;  // device [R]: peer's same half, directly addressable (NVLink/P2P), or 0 -> NVSHMEM put
+    const int64_t* peer_base;  // device [R]: start of the peer's whole buffer, directly addressable (NVLink/P2P), or 0 -> NVSHMEM put
+    int64_t half_offset;       // bytes from the buffer's start to this half (peer address = peer_base + half_offset + offset)
     int half;                  // 0 or 1
     int rank;
     State* state;
