@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_GROUP_TIMEOUT_S = 300  # a collective stuck this long means a peer died; fail instead of hanging CI
+FAILURE_GRACE_S = 15.0  # after one rank failed, how long the others get to finish or fail before they are killed
 
 
 def free_port() -> int:
@@ -68,8 +70,20 @@ def spawn(
         p.start()
     outcomes: dict = {}
     failure: Optional[str] = None
-    for p in procs:
-        p.join(timeout_s + 60)
+    deadline = time.monotonic() + timeout_s + 60
+    failed_at: Optional[float] = None
+    # Poll rather than join: once a rank has failed, its peers are usually stuck in a collective or a kernel wait
+    # for it; give them FAILURE_GRACE_S to fail on their own, then kill them, so the traceback arrives promptly.
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while not results.empty():
+            rank, status, value = results.get()
+            outcomes[rank] = value
+            if status == "error" and failure is None:
+                failure = f"rank {rank} failed:\n{value}"
+                failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+            break
+        time.sleep(0.05)
     while not results.empty():
         rank, status, value = results.get()
         outcomes[rank] = value
@@ -78,6 +92,7 @@ def spawn(
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
             failure = failure or f"a rank did not finish within {timeout_s + 60:.0f} s"
     if failure is None:
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]

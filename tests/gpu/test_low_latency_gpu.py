@@ -11,7 +11,9 @@ Needs NVSHMEM (``_C.has_nvshmem()``) and, with several ranks on one GPU, MPS (te
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 import pytest
 import torch
@@ -38,7 +40,18 @@ SHAPES = [(128, 7168, None, 8), (32, 2048, 4, 4), (16, 640, 3, 3)]
 TIMEOUT_S = float(os.environ.get("EP_LL_TEST_TIMEOUT_S", "20"))  # kernel waits: a lost signal fails fast
 
 
+VERBOSE = os.environ.get("EP_LL_TEST_VERBOSE") == "1"
+
+
+def _log(*parts) -> None:
+    if VERBOSE:
+        print(f"[rank {torch.distributed.get_rank()}]", *parts, flush=True)
+
+
 def _env() -> None:
+    # A rank stuck on the host (e.g. in an NVSHMEM barrier after a peer failed) prints its stacks and exits.
+    stacks_after_s = float(os.environ.get("EP_LL_TEST_STACKS_AFTER_S", "120"))
+    faulthandler.dump_traceback_later(stacks_after_s, exit=True, file=sys.stderr)
     # One GPU, no NIC: NVSHMEM's P2P transport only (DESIGN.md section 5).
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -61,6 +74,7 @@ def _buffers(world: int, allow_nvlink: bool = True, shapes=SHAPES):
         allow_nvlink_for_low_latency_mode=allow_nvlink,
         timeout_s=TIMEOUT_S,
     )
+    _log("cuda buffer ready, direct peers:", cuda._backend.ll.num_direct_peers if cuda._backend.ll else None)
     ref = Buffer(None, low_latency_mode=True, num_rdma_bytes=size, backend="reference")
     assert "low_latency_dispatch" in cuda.engine_calls and "low_latency_combine" in cuda.engine_calls
     return cuda, ref
@@ -144,6 +158,7 @@ def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
             for mode_index, mode in enumerate(_modes(hidden)):
                 tag = f"rank {rank} seed {seed} shape {(max_tokens, hidden, E, topk)} {mode}"
                 hooked = (seed + mode_index) % 2 == 1
+                _log(tag, "hooked" if hooked else "one-shot")
                 _poison(device)
                 out_c = cuda.low_latency_dispatch(
                     x, topk_idx, max_tokens, E, return_recv_hook=hooked, cumulative_local_expert_recv_stats=stats_c,
@@ -155,6 +170,7 @@ def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
                     x, topk_idx, max_tokens, E, cumulative_local_expert_recv_stats=stats_r, **mode
                 )
                 _compare_dispatch(errors, tag, out_c, out_r, mode["use_fp8"])
+                _log("dispatch compared, errors so far:", len(errors))
 
                 # Combine: the same expert outputs on both; zero-copy and out= on alternate calls.
                 y = _expert_outputs(seed + mode_index, rank, (E // world, world * max_tokens, hidden), device)
