@@ -52,7 +52,9 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
     num_tokens, hidden = x.shape
     groups = x.float().view(num_tokens, hidden // FP8_GROUP_SIZE, FP8_GROUP_SIZE)
     amax = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_E4M3_MAX
+    # A tensor divisor: torch divides a CUDA tensor by a Python scalar as a multiply by its reciprocal, which can
+    # differ in the last bit from the true quotient that CPU tensors and the kernels compute.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     if round_scale or use_ue8m0:
         scale = round_scale_to_pow2(scale)
     x_fp8 = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
