@@ -114,7 +114,9 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     sweep = [int(t) for t in args.sweep.split(",")]
     hidden, experts, topk = args.hidden, args.experts, args.topk
     num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
-    buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda")
+    buffer = Buffer(
+        None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", timeout_s=args.kernel_timeout_s
+    )
     if "low_latency_dispatch" not in buffer.engine_calls:
         raise SystemExit("the CUDA engine has no low-latency kernels here (built without NVSHMEM?)")
     copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--groups", type=int, default=10)
     parser.add_argument("--gap-us", type=float, default=50.0)
+    parser.add_argument("--kernel-timeout-s", type=float, default=30.0, help="a lost signal fails the run this fast")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -23,9 +23,10 @@ using OptTensor = std::optional<at::Tensor>;
 // One rank's share of the symmetric low-latency buffer, its peers' direct mappings and the epochs.
 class LowLatencyBuffer {
    public:
-    LowLatencyBuffer(int rank, int num_ranks, int64_t num_bytes, bool allow_direct_peers, int64_t timeout_ns, int device)
-        : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_ns_(timeout_ns), device_(device) {
+    LowLatencyBuffer(int rank, int num_ranks, int64_t num_bytes, bool allow_direct_peers, int64_t timeout_ns, int device, int max_blocks)
+        : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_ns_(timeout_ns), device_(device), max_blocks_(max_blocks) {
         EP_HOST_ASSERT(num_ranks <= low_latency::kMaxRanks, "low-latency kernels support up to ", low_latency::kMaxRanks, " ranks");
+        TORCH_CHECK_VALUE(max_blocks >= 1, "max_blocks: expected >= 1, got ", max_blocks);
         const c10::cuda::CUDAGuard guard(device);
         base_ = static_cast<uint8_t*>(nvshmem_runtime::alloc(num_bytes));
         std::vector<int64_t> peers(num_ranks, 0);
@@ -40,6 +41,7 @@ class LowLatencyBuffer {
     }
 
     int num_direct_peers() const { return num_direct_peers_; }
+    int max_blocks() const { return max_blocks_; }
 
     low_latency::Layout layout(int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
         const auto L = low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
@@ -51,8 +53,8 @@ class LowLatencyBuffer {
     low_latency::Half half(int64_t index, const low_latency::Layout& L) const {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
         TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
-        return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_, state_,
-                                 timeout_ns_};
+        return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_,
+                                 max_blocks_, state_, timeout_ns_};
     }
 
     at::Tensor dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
@@ -139,6 +141,7 @@ class LowLatencyBuffer {
     int rank_, num_ranks_;
     int64_t num_bytes_, timeout_ns_;
     int device_;
+    int max_blocks_;
     int num_direct_peers_ = 0;
     uint8_t* base_ = nullptr;
     int64_t* peer_base_ = nullptr;
@@ -149,8 +152,9 @@ class LowLatencyBuffer {
 
 void register_low_latency(py::module_& m) {
     py::class_<LowLatencyBuffer>(m, "LowLatencyBuffer", "One rank's NVSHMEM low-latency buffer (two halves) and its epochs.")
-        .def(py::init<int, int, int64_t, bool, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
-             py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"))
+        .def(py::init<int, int, int64_t, bool, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
+             py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"), py::arg("max_blocks"))
+        .def_property_readonly("max_blocks", [](const LowLatencyBuffer& b) { return b.max_blocks(); })
         .def_property_readonly("num_direct_peers", &LowLatencyBuffer::num_direct_peers)
         .def("half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; })
         .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::call_guard<py::gil_scoped_release>())

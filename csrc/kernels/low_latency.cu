@@ -225,11 +225,8 @@ __global__ void __launch_bounds__(kThreads) stage_tokens_kernel(Layout L, Half h
 
 // One warp per global expert: finds this rank's entries for it in token order (ballots over topk_idx), records
 // each entry's slot for the combine, copies the staged messages to the expert's rank, then signals the count.
-__global__ void __launch_bounds__(kThreads) send_tokens_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens, int num_topk,
-                                                               int* send_slot) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int expert = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
-    if (expert >= L.num_experts) return;
+__device__ void send_expert_tokens(const Layout& L, const Half& h, const int64_t* topk_idx, int num_tokens, int num_topk, int* send_slot,
+                                   int expert, int lane) {
     const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     if (lane == 0) wait_ack(L, h, epoch, pe, "dispatch send (peer has not read this half's previous use)");
@@ -264,6 +261,14 @@ __global__ void __launch_bounds__(kThreads) send_tokens_kernel(Layout L, Half h,
         signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank, make_signal(epoch, count), pe);
         quiet_puts(h, pe);
     }
+}
+
+// Warps loop over experts: the grid may be smaller than one warp per expert (max_blocks, see low_latency.cuh).
+__global__ void __launch_bounds__(kThreads) send_tokens_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens, int num_topk,
+                                                               int* send_slot) {
+    const int lane = threadIdx.x % kWarpSize;
+    for (int expert = blockIdx.x * kWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kWarps)
+        send_expert_tokens(L, h, topk_idx, num_tokens, num_topk, send_slot, expert, lane);
 }
 
 // One block per local expert (blocks loop when there are more experts than blocks): waits for every source rank's
@@ -340,11 +345,8 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
 // ------------------------------------------------------------------ combine
 // One warp per (local expert, source rank): sends that source's slots back, row i of the range landing at
 // [global expert][i] on the source (the slot the source chose in dispatch), then flags the expert as done.
-__global__ void __launch_bounds__(kThreads) send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged,
-                                                                const int64_t* layout_range) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int pair = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
-    if (pair >= L.num_local_experts * L.num_ranks) return;
+__device__ void send_pair_outputs(const Layout& L, const Half& h, const __nv_bfloat16* x, bool x_is_staged, const int64_t* layout_range,
+                                  int pair, int lane) {
     const int local_expert = pair / L.num_ranks, pe = pair % L.num_ranks;
     const int expert = h.rank * L.num_local_experts + local_expert;
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
@@ -375,6 +377,14 @@ __global__ void __launch_bounds__(kThreads) send_outputs_kernel(Layout L, Half h
         signal_peer(h, combine_signals(L, h) + expert, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
+}
+
+__global__ void __launch_bounds__(kThreads) send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged,
+                                                                const int64_t* layout_range) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int num_pairs = L.num_local_experts * L.num_ranks;
+    for (int pair = blockIdx.x * kWarps + threadIdx.x / kWarpSize; pair < num_pairs; pair += gridDim.x * kWarps)
+        send_pair_outputs(L, h, x, x_is_staged, layout_range, pair, lane);
 }
 
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
@@ -442,13 +452,13 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
                    bool round_scale, int* send_slot, cudaStream_t stream) {
     if (num_tokens > 0) {
-        const int blocks = ceil_div(num_tokens, kWarps);
+        const int blocks = std::min(ceil_div(num_tokens, kWarps), h.max_blocks);
         const auto* xb = static_cast<const __nv_bfloat16*>(x);
         if (use_fp8) stage_tokens_kernel<true><<<blocks, kThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
         else stage_tokens_kernel<false><<<blocks, kThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
         EP_CUDA_CHECK(cudaGetLastError());
     }
-    send_tokens_kernel<<<ceil_div(L.num_experts, kWarps), kThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot);
+    send_tokens_kernel<<<std::min(ceil_div(L.num_experts, kWarps), h.max_blocks), kThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -456,7 +466,7 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
     const size_t shared = (L.num_ranks + 1) * sizeof(int);
     // Capped: every block may spin on signals, and all ranks' blocks must stay co-resident when ranks share a GPU.
-    const dim3 grid(std::min(L.num_local_experts, kMaxReceiveBlocks));
+    const dim3 grid(std::min({L.num_local_experts, kMaxReceiveBlocks, h.max_blocks}));
     if (!use_fp8)
         receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
                                                                                  cumulative_stats);
@@ -471,7 +481,7 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, const int64_t* layout_range, cudaStream_t stream) {
     const int pairs = L.num_local_experts * L.num_ranks;
-    send_outputs_kernel<<<ceil_div(pairs, kWarps), kThreads, 0, stream>>>(L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
+    send_outputs_kernel<<<std::min(ceil_div(pairs, kWarps), h.max_blocks), kThreads, 0, stream>>>(L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
                                                                            layout_range);
     EP_CUDA_CHECK(cudaGetLastError());
 }
@@ -479,7 +489,7 @@ void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_stage
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
                   int num_topk, void* out, int num_sms, cudaStream_t stream) {
     const int64_t items = int64_t(num_tokens) * (L.hidden / 8);
-    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms, ceil_div<int64_t>(items, kThreads))));
+    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min(num_sms, h.max_blocks), ceil_div<int64_t>(items, kThreads))));
     reduce_outputs_kernel<<<blocks, kThreads, 0, stream>>>(L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk,
                                                             static_cast<__nv_bfloat16*>(out));
     EP_CUDA_CHECK(cudaGetLastError());

@@ -55,6 +55,10 @@ struct Half {
     int64_t half_offset;       // bytes from the buffer's start to this half (peer address = peer_base + half_offset + offset)
     int half;                  // 0 or 1
     int rank;
+    // Upper bound on every kernel's grid. The kernels spin on peers' signals, so when several ranks share one GPU
+    // (MPS) all their blocks must be resident at once: the bound is SMs / ranks on the GPU (one 512-thread block
+    // per SM always fits). With one rank per GPU it is the SM count.
+    int max_blocks;
     State* state;
     int64_t timeout_ns;
 };

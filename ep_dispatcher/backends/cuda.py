@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,9 @@ class CudaBackend(ReferenceBackend):
         self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
         if num_rdma_bytes > 0 and _C.has_nvshmem():
             _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+            device = torch.cuda.current_device()
             self.ll = _C.LowLatencyBuffer(
-                rank, num_ranks, num_rdma_bytes, allow_nvlink, self.timeout_ns, torch.cuda.current_device()
+                rank, num_ranks, num_rdma_bytes, allow_nvlink, self.timeout_ns, device, _low_latency_max_blocks(group)
             )
 
     def engine_calls(self) -> tuple:
@@ -338,6 +340,26 @@ class CudaBackend(ReferenceBackend):
 
 _COMBINE_RECV_BLOCKS = 16  # blocks of the combine's receive (sum) kernel; 8 ranks x 16 fit one H200 under MPS
 _NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric heap too
+
+
+def ranks_sharing_this_gpu(group: dist.ProcessGroup) -> int:
+    """How many ranks of ``group`` (this one included) run on this process's GPU (collective)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    me = (socket.gethostname(), str(getattr(props, "uuid", "")) or str(getattr(props, "pci_bus_id", "")))
+    everyone: List[Optional[tuple]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return sum(1 for other in everyone if other == me)
+
+
+def _low_latency_max_blocks(group: dist.ProcessGroup) -> int:
+    """Grid bound of the low-latency kernels: they spin on peers' signals, so every rank's blocks on one GPU must be
+    resident together (one 512-thread block per SM always fits): SMs / ranks on the GPU. Env override:
+    ``EP_DISPATCHER_LL_MAX_BLOCKS``."""
+    sharing = ranks_sharing_this_gpu(group)  # collective: computed even when the env var is set
+    if "EP_DISPATCHER_LL_MAX_BLOCKS" in os.environ:
+        return max(1, int(os.environ["EP_DISPATCHER_LL_MAX_BLOCKS"]))
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, sm_count // sharing)
 
 
 def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int) -> None:

@@ -10,6 +10,8 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 PHASES=${*:-build tests ll bench timeout}
+# Packages carried from the workstation (tests/gpu/prepare_carry.sh: megatron-core for the Megatron step benchmark).
+[ -d .device_carry/site ] && export PYTHONPATH="$PWD/.device_carry/site${PYTHONPATH:+:$PYTHONPATH}"
 
 start_mps() {
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
@@ -19,7 +21,13 @@ start_mps() {
 stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 phase_start() { echo "=== $1 ($(date +%T))"; t0=$(date +%s); }
 phase_end() { echo "=== $1 done: $(( $(date +%s) - t0 )) s"; }
-bench() { timeout "$1" python3 "${@:2}" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"; }
+# One benchmark in a fresh MPS session (a benchmark killed by its timeout can leave MPS refusing new clients).
+bench() {
+    start_mps
+    timeout "$1" python3 "${@:2}" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
+    pkill -9 -f "multiprocessing.spawn" 2>/dev/null
+    stop_mps
+}
 
 rc=0
 for phase in $PHASES; do
@@ -48,7 +56,6 @@ for phase in $PHASES; do
         stop_mps
         ;;
     bench)
-        start_mps
         bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
         bench 120 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
             --out "$OUT/bench_intranode_16sms.json"
@@ -59,7 +66,6 @@ for phase in $PHASES; do
         bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json"
         bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
             --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
-        stop_mps
         ;;
     timeout)
         # Last: the timeout test traps a kernel on purpose.
