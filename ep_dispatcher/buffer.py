@@ -124,7 +124,8 @@ class Buffer:
                 self.group_size,
                 self.num_ranks_per_node,
                 num_nvl_bytes=self.num_nvl_bytes,
-                num_rdma_bytes=self.num_rdma_bytes if self.low_latency_mode else 0,
+                num_rdma_bytes=self.num_rdma_bytes,
+                low_latency_mode=self.low_latency_mode,
                 allow_nvlink=self.allow_nvlink_for_low_latency_mode,
                 timeout_s=self.timeout_s,
             )
@@ -314,7 +315,7 @@ class Buffer:
         return (*result, event)
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def _check_buffer_size(self, hidden: int, element_size: int, config: Config) -> None:
+    def _check_buffer_size(self, hidden: int, element_size: int, config: Config, num_tokens: int = 0) -> None:
         hidden_bytes = hidden * max(element_size, 2)
         need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < need_nvl:
@@ -323,13 +324,17 @@ class Buffer:
                 f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
                 f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}"
             )
-        if self.is_internode:
-            need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+        # Only the internode engine lives in the NVSHMEM buffer (the reference backend needs none of it).
+        if self.is_internode and getattr(self._backend, "internode", None) is not None:
+            need_rdma = config.get_rdma_buffer_size_hint(
+                hidden_bytes, self.group_size, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
+            )
             if self.num_rdma_bytes < need_rdma:
                 raise ValueError(
-                    f"num_rdma_bytes: internode calls need at least {need_rdma} bytes "
-                    f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size})), "
-                    f"but the Buffer was created with num_rdma_bytes={self.num_rdma_bytes}"
+                    f"num_rdma_bytes: this internode call with {num_tokens} tokens needs at least {need_rdma} bytes "
+                    f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size}, {self.num_ranks_per_node}, "
+                    f"num_max_tokens_per_rank={num_tokens})), but the Buffer was created with "
+                    f"num_rdma_bytes={self.num_rdma_bytes}"
                 )
 
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -392,7 +397,7 @@ class Buffer:
         data, scales = self._check_payload("x", x)
         num_tokens = data.size(0)
         config = self._check_config(config, Buffer.get_dispatch_config)
-        self._check_buffer_size(data.size(1), data.element_size(), config)
+        self._check_buffer_size(data.size(1), data.element_size(), config, num_tokens)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         device = data.device
         wrap = (lambda d, s: (d, s)) if scales is not None else (lambda d, s: d)
@@ -501,8 +506,12 @@ class Buffer:
             bias: optional ``[num_tokens, hidden]`` tensor or pair of them, added to the sum.
         Returns:
             ``(combined_x [num_tokens, hidden] x.dtype, combined_topk_weights [num_tokens, num_topk] float32 or None,
-            event)``. Summation: ``bias_0 + bias_1``, then each rank's row in rank order, in fp32 (fp64 for fp64
-            input), one rounding at the end: deterministic.
+            event)``. Summation (deterministic, fp32; fp64 for fp64 input): within one node, ``0 + bias_0 + bias_1``,
+            then each rank's row in rank order, one rounding at the end. When the group spans several nodes
+            (``num_ranks > num_ranks_per_node``): first per node, ``0 + rows of that node's ranks`` in rank order,
+            rounded to ``x.dtype`` (what crosses the RDMA leg); then ``0 + bias_0 + bias_1 + node partials`` in node
+            order, one rounding at the end. Ranks and nodes that did not receive the token are skipped. The top-k
+            weights follow the same orders (fp32, no rounding).
         """
         self._check_handle(handle, DispatchHandle)
         rows = handle.num_recv_rows
@@ -510,7 +519,7 @@ class Buffer:
         if x.size(1) * x.element_size() % 16 != 0:
             raise ValueError(f"x: rows must be a multiple of 16 bytes, got hidden={x.size(1)} with {x.dtype}")
         config = self._check_config(config, Buffer.get_combine_config)
-        self._check_buffer_size(x.size(1), x.element_size(), config)
+        self._check_buffer_size(x.size(1), x.element_size(), config, handle.num_tokens)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=(rows, None), device=x.device)
