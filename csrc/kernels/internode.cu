@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(Layout L, Ctx c, Fi
         for (int n0 = 0; n0 < N; n0 += kWarpSize) {
             const int n = n0 + lane;
             const bool hit = n < N && n != c.node && rdma_send_pos[static_cast<int64_t>(t) * N + n] >= 0;
-            remote = remote || __ballot_sync(kFullMask, hit) != 0;
+            remote |= __ballot_sync(kFullMask, hit) != 0;  // every lane votes: no short-circuit around the ballot
         }
         if (!remote) continue;
         uint8_t* msg = c.local + L.send_stage_offset + static_cast<int64_t>(t) * L.msg_stride;
@@ -561,7 +561,11 @@ int max_tokens_for(int64_t num_bytes, int64_t hidden_bytes, int num_ranks, int n
     const Layout one = make_layout(hidden_bytes, num_ranks, num_ranks_per_node, 1);
     const int64_t per_token = std::max<int64_t>(1, one.total_bytes - zero.total_bytes);
     int64_t t = std::min<int64_t>(INT32_MAX / std::max(1, num_ranks), (num_bytes - zero.total_bytes) / per_token + 1);
+    // Alignment makes the size only nearly linear in t: settle the estimate in both directions.
     while (t > 0 && make_layout(hidden_bytes, num_ranks, num_ranks_per_node, static_cast<int>(t)).total_bytes > num_bytes) --t;
+    while (t < INT32_MAX / std::max(1, num_ranks) &&
+           make_layout(hidden_bytes, num_ranks, num_ranks_per_node, static_cast<int>(t + 1)).total_bytes <= num_bytes)
+        ++t;
     return static_cast<int>(t);
 }
 
