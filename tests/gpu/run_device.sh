@@ -33,6 +33,18 @@ if [ "${1:-}" != "quick" ]; then
     timeout 120 python3 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$"
     stop_mps
 fi
+# Internode engine (NVSHMEM, virtual nodes on one GPU), in its own MPS session: a hung NVSHMEM job cannot block the
+# earlier groups, and MPS restarts clean for the next one.
+start_mps
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
+timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_internode_gpu.py 2>&1 | tee "$OUT/internode_tests.log" | tail -30
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+if [ "${1:-}" != "quick" ]; then
+    timeout 240 python3 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 --profile --out "$OUT/bench_internode_2x4.json" 2>&1 | tee "$OUT/bench_internode.log" | grep -v "^\s*$"
+    timeout 240 python3 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 --out "$OUT/bench_internode_4x2.json" 2>&1 | tee -a "$OUT/bench_internode.log" | grep -v "^\s*$"
+fi
+unset NVSHMEM_REMOTE_TRANSPORT NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME
+stop_mps
 # Last, in its own MPS session: the timeout test traps a kernel on purpose.
 start_mps
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
