@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
         }
         __syncwarp();
     }
+    __threadfence_system();  // this thread's stores to node peers are performed before the kernel (and barrier) ends
 }
 
 // ------------------------------------------------------------------ combine
@@ -384,6 +385,7 @@ __global__ void __launch_bounds__(kThreads) comb_nvl_send_kernel(Layout L, Ctx c
         if (topk_weights != nullptr && lane < F.num_topk)
             reinterpret_cast<float*>(dst + F.x_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * F.num_topk + lane];
     }
+    __threadfence_system();  // as in forward_kernel: stores to node peers performed before the barrier
 }
 
 // Forwarder side: per (source, token) it forwarded, sum the node's rows in fp32 by destination local rank
