@@ -47,7 +47,7 @@ unset NVSHMEM_REMOTE_TRANSPORT NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME
 stop_mps
 # Last, in its own MPS session: the timeout test traps a kernel on purpose.
 start_mps
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 stop_mps
 exit $rc
