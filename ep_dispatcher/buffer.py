@@ -96,7 +96,7 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.validate_inputs = bool(validate_inputs)
         if num_ranks_per_node is None:
-            num_ranks_per_node = int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", _config.DEFAULT_RANKS_PER_NODE))
+            num_ranks_per_node = _config.default_ranks_per_node()
         self.num_ranks_per_node = check_int("num_ranks_per_node", num_ranks_per_node, minimum=1)
         if self.group_size > self.num_ranks_per_node and self.group_size % self.num_ranks_per_node != 0:
             raise ValueError(

@@ -100,13 +100,15 @@ class Config:
     ) -> int:
         """Bytes of NVSHMEM buffer a rank needs for internode dispatch/combine (0 when all ranks share a node).
 
-        ``hidden_bytes = hidden * max(element_size, 2)``; ``num_ranks_per_node`` defaults to 8,
+        ``hidden_bytes = hidden * max(element_size, 2)``; ``num_ranks_per_node`` defaults to Buffer's default (env
+        ``EP_DISPATCHER_RANKS_PER_NODE``, else 8),
         ``num_max_tokens_per_rank`` (tokens any rank passes to one call) to 4096. The internode engine is sized for
         the worst case (every token of every rank routed to one rank), not from this config's chunk sizes; the
         arithmetic is :func:`internode_layout_bytes`, the same as csrc/kernels/internode.cu's ``make_layout``.
         """
         _check_hint_args(hidden_bytes, num_ranks)
-        per_node = DEFAULT_RANKS_PER_NODE if num_ranks_per_node is None else num_ranks_per_node
+        # The default follows Buffer's: env EP_DISPATCHER_RANKS_PER_NODE, else 8.
+        per_node = default_ranks_per_node() if num_ranks_per_node is None else num_ranks_per_node
         if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node <= 0:
             raise ValueError(f"num_ranks_per_node: expected a positive int, got {num_ranks_per_node!r}")
         if num_ranks <= per_node:
@@ -117,6 +119,11 @@ class Config:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             raise ValueError(f"num_max_tokens_per_rank: expected a non-negative int, got {num_max_tokens_per_rank!r}")
         return internode_layout_bytes(hidden_bytes, num_ranks, per_node, tokens)
+
+
+def default_ranks_per_node() -> int:
+    """Ranks per node when none is given: env ``EP_DISPATCHER_RANKS_PER_NODE``, else 8 (also Buffer's default)."""
+    return int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", DEFAULT_RANKS_PER_NODE))
 
 
 def internode_layout_bytes(hidden_bytes: int, num_ranks: int, num_ranks_per_node: int, max_tokens: int) -> int:

@@ -291,20 +291,9 @@ class CudaBackend(ReferenceBackend):
         the kernels cannot be handed counts that disagree with the routing.
         """
         num_sms = (config or Config()).num_sms
-        num_tokens = x.size(0)
-        per_node = self.num_ranks_per_node
-        num_nodes = self.num_ranks // per_node
-        in_rank = is_token_in_rank.contiguous()
-        in_rank_int = in_rank.to(torch.int32)
-        # Position of each token among this rank's tokens for each destination rank / node (-1: not sent there).
-        send_pos = torch.where(in_rank, torch.cumsum(in_rank_int, 0, dtype=torch.int32) - in_rank_int, -1).contiguous()
-        in_node = in_rank.view(num_tokens, num_nodes, per_node).any(2)
-        in_node_int = in_node.to(torch.int32)
-        rdma_send_pos = torch.where(
-            in_node, torch.cumsum(in_node_int, 0, dtype=torch.int32) - in_node_int, -1
-        ).contiguous()
-        per_rank_counts = in_rank_int.sum(0, dtype=torch.int32)
-        per_node_counts = in_node_int.sum(0, dtype=torch.int32)
+        send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
+            is_token_in_rank, self.num_ranks_per_node
+        )
         count_matrix, node_count, per_expert = self.internode.notify(
             per_rank_counts, per_node_counts, num_tokens_per_expert, num_experts or 0, expert_alignment
         )
@@ -455,6 +444,26 @@ class CudaBackend(ReferenceBackend):
         if self.ll is not None:
             self.ll.clean()
             self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node: int):
+    """What the internode kernels need from a send pattern, by device ops only (no host sync).
+
+    Args:
+        is_token_in_rank: ``[num_tokens, num_ranks] bool``.
+    Returns:
+        ``(send_pos [num_tokens, num_ranks] int32, rdma_send_pos [num_tokens, num_nodes] int32,
+        num_tokens_per_rank [num_ranks] int32, num_tokens_per_node [num_nodes] int32)``: the position of each token
+        among this rank's tokens for each destination rank / node, ``-1`` where it is not sent; and the counts.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    in_rank = is_token_in_rank.contiguous()
+    in_rank_int = in_rank.to(torch.int32)
+    send_pos = torch.where(in_rank, torch.cumsum(in_rank_int, 0, dtype=torch.int32) - in_rank_int, -1).contiguous()
+    in_node = in_rank.view(num_tokens, num_ranks // num_ranks_per_node, num_ranks_per_node).any(2)
+    in_node_int = in_node.to(torch.int32)
+    rdma_send_pos = torch.where(in_node, torch.cumsum(in_node_int, 0, dtype=torch.int32) - in_node_int, -1).contiguous()
+    return send_pos, rdma_send_pos, in_rank_int.sum(0, dtype=torch.int32), in_node_int.sum(0, dtype=torch.int32)
 
 
 _COMBINE_RECV_BLOCKS = 16  # blocks of the combine's receive (sum) kernel; 8 ranks x 16 fit one H200 under MPS
