@@ -53,7 +53,7 @@ class InternodeBuffer {
             const int pe = ctx_.node * num_ranks_per_node + j;
             const int64_t peer = nvshmem_runtime::peer_pointer(base_, pe);
             if (peer == 0) {
-                nvshmem_runtime::free(base_);
+                // The allocation is left in place: freeing it is collective, and peers on other nodes may not fail here.
                 base_ = nullptr;
                 TORCH_CHECK(false, "internode engine: rank ", rank, " cannot map node peer ", pe,
                             " (nvshmem_ptr returned null): ranks of one node must be NVLink/P2P reachable; check num_ranks_per_node");
