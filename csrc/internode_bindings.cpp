@@ -70,8 +70,9 @@ class InternodeBuffer {
         return internode::max_tokens_for(num_bytes_, hidden_bytes, ctx_.num_ranks, ctx_.per_node);
     }
 
-    std::tuple<at::Tensor, at::Tensor, OptTensor> notify(const at::Tensor& per_rank, const at::Tensor& per_node, const OptTensor& per_expert,
-                                                         int64_t num_experts, int64_t expert_alignment) {
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, OptTensor> notify(const at::Tensor& per_rank, const at::Tensor& per_node,
+                                                                     int64_t num_tokens, const OptTensor& per_expert, int64_t num_experts,
+                                                                     int64_t expert_alignment) {
         check(per_rank, "num_tokens_per_rank");
         check(per_node, "num_tokens_per_node");
         if (per_expert) check(*per_expert, "num_tokens_per_expert");
@@ -80,6 +81,7 @@ class InternodeBuffer {
         const auto options = per_rank.options().dtype(at::kInt);
         at::Tensor count_matrix = at::empty({R, R}, options);
         at::Tensor node_count = at::empty({R, N}, options);
+        at::Tensor tokens_of = at::empty({R}, options);
         OptTensor recv_per_expert;
         if (per_expert) {
             TORCH_CHECK_VALUE(num_experts / R <= internode::kMaxLocalExperts, "num_experts: the internode engine supports up to ",
@@ -87,10 +89,11 @@ class InternodeBuffer {
             recv_per_expert = at::empty({num_experts / R}, options);
         }
         const auto L = internode::make_layout(16, R, ctx_.per_node, 0);  // the signal part does not depend on the shape
-        internode::notify(L, ctx(), per_rank.data_ptr<int>(), per_node.data_ptr<int>(), per_expert ? per_expert->data_ptr<int>() : nullptr,
-                          static_cast<int>(num_experts), static_cast<int>(expert_alignment), count_matrix.data_ptr<int>(),
-                          node_count.data_ptr<int>(), recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, stream());
-        return {count_matrix, node_count, recv_per_expert};
+        internode::notify(L, ctx(), per_rank.data_ptr<int>(), per_node.data_ptr<int>(), static_cast<int>(num_tokens),
+                          per_expert ? per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
+                          static_cast<int>(expert_alignment), count_matrix.data_ptr<int>(), node_count.data_ptr<int>(),
+                          tokens_of.data_ptr<int>(), recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, stream());
+        return {count_matrix, node_count, tokens_of, recv_per_expert};
     }
 
     std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor, OptTensor> dispatch(

@@ -315,7 +315,7 @@ class Buffer:
         return (*result, event)
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def _check_buffer_size(self, hidden: int, element_size: int, config: Config, num_tokens: int = 0) -> None:
+    def _check_buffer_size(self, hidden: int, element_size: int, config: Config) -> None:
         hidden_bytes = hidden * max(element_size, 2)
         need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < need_nvl:
@@ -324,18 +324,8 @@ class Buffer:
                 f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
                 f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}"
             )
-        # Only the internode engine lives in the NVSHMEM buffer (the reference backend needs none of it).
-        if self.is_internode and getattr(self._backend, "internode", None) is not None:
-            need_rdma = config.get_rdma_buffer_size_hint(
-                hidden_bytes, self.group_size, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
-            )
-            if self.num_rdma_bytes < need_rdma:
-                raise ValueError(
-                    f"num_rdma_bytes: this internode call with {num_tokens} tokens needs at least {need_rdma} bytes "
-                    f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size}, {self.num_ranks_per_node}, "
-                    f"num_max_tokens_per_rank={num_tokens})), but the Buffer was created with "
-                    f"num_rdma_bytes={self.num_rdma_bytes}"
-                )
+        # The NVSHMEM buffer of the internode engine is checked by the engine (after its count exchange, so that
+        # every rank raises together); the reference backend needs none of it.
 
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         data, scales = split_fp8(name, x)
@@ -397,7 +387,7 @@ class Buffer:
         data, scales = self._check_payload("x", x)
         num_tokens = data.size(0)
         config = self._check_config(config, Buffer.get_dispatch_config)
-        self._check_buffer_size(data.size(1), data.element_size(), config, num_tokens)
+        self._check_buffer_size(data.size(1), data.element_size(), config)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         device = data.device
         wrap = (lambda d, s: (d, s)) if scales is not None else (lambda d, s: d)
@@ -519,7 +509,7 @@ class Buffer:
         if x.size(1) * x.element_size() % 16 != 0:
             raise ValueError(f"x: rows must be a multiple of 16 bytes, got hidden={x.size(1)} with {x.dtype}")
         config = self._check_config(config, Buffer.get_combine_config)
-        self._check_buffer_size(x.size(1), x.element_size(), config, handle.num_tokens)
+        self._check_buffer_size(x.size(1), x.element_size(), config)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=(rows, None), device=x.device)

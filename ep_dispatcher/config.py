@@ -129,14 +129,14 @@ def default_ranks_per_node() -> int:
 def internode_layout_bytes(hidden_bytes: int, num_ranks: int, num_ranks_per_node: int, max_tokens: int) -> int:
     """Bytes of the internode engine's symmetric buffer for ``max_tokens`` tokens per rank.
 
-    Signal part (64-bit barrier counters [R], double-buffered count slots [2][R][R + N + 1024] int32, staging
-    [R][R + N + 1024]), then the larger of the dispatch part (staged messages [T], received messages [N][T],
+    Signal part (64-bit barrier counters [R], double-buffered count slots [2][R][R + N + 1 + 1024] int32, staging
+    [R][R + N + 1 + 1024]), then the larger of the dispatch part (staged messages [T], received messages [N][T],
     final rows [R * T]) and the combine part (node rows [R * T], partials [N][T], staged partials [N][T]).
     Must match ``make_layout`` in csrc/kernels/internode.cu (tests/test_config.py checks it against the extension).
     """
     R, P, T = num_ranks, num_ranks_per_node, max_tokens
     N = R // P
-    slot = R + N + INTERNODE_MAX_LOCAL_EXPERTS
+    slot = R + N + 1 + INTERNODE_MAX_LOCAL_EXPERTS
     scale_max = (hidden_bytes // 2 + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
     msg = _align(hidden_bytes + scale_max + 8 + NUM_MAX_TOPK * 12 + 4 + R * 4, 16)
     recv_row = hidden_bytes + scale_max + NUM_MAX_TOPK * 12 + 4

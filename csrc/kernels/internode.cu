@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(kSyncThreads) barrier_kernel(Layout L, Ctx c, 
     if (threadIdx.x == 0) c.state->epoch = epoch;
 }
 
-__global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, const int* per_rank, const int* per_node, const int* per_expert,
-                                                              int num_experts, int alignment, int* count_matrix, int* node_count,
-                                                              int* recv_per_expert) {
+__global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, const int* per_rank, const int* per_node, int num_tokens,
+                                                              const int* per_expert, int num_experts, int alignment, int* count_matrix,
+                                                              int* node_count, int* tokens_of, int* recv_per_expert) {
     __shared__ unsigned long long epoch_shared, parity_shared;
     if (threadIdx.x == 0) {
         epoch_shared = c.state->epoch + 1;
@@ -153,11 +153,15 @@ __global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, c
     const int R = c.num_ranks, N = c.num_nodes;
     const int64_t S = L.notify_slot_ints;
     const int E_l = per_expert != nullptr ? num_experts / R : 0;
-    const int W = R + N + E_l;  // ints of one slot that this call uses
+    // A slot: counts per rank [R], per node [N], the sender's token count, the receiver's experts' counts [E_l].
+    const int W = R + N + 1 + E_l;  // ints of one slot that this call uses
     int* stage = reinterpret_cast<int*>(c.local + L.notify_stage_offset);
     for (int i = threadIdx.x; i < R * W; i += blockDim.x) {
         const int p = i / W, k = i % W;
-        stage[p * S + k] = k < R ? per_rank[k] : k < R + N ? per_node[k - R] : per_expert[p * E_l + (k - R - N)];
+        stage[p * S + k] = k < R       ? per_rank[k]
+                           : k < R + N ? per_node[k - R]
+                           : k == R + N ? num_tokens
+                                        : per_expert[p * E_l + (k - R - N - 1)];
     }
     __syncthreads();
     __threadfence_system();  // the staged counts are complete before any transport reads them
@@ -171,9 +175,10 @@ __global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, c
     const volatile int* counts = area;  // written by peers' puts: read around the L1
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) count_matrix[i] = counts[(i / R) * S + i % R];
     for (int i = threadIdx.x; i < R * N; i += blockDim.x) node_count[i] = counts[(i / N) * S + R + i % N];
+    for (int q = threadIdx.x; q < R; q += blockDim.x) tokens_of[q] = counts[q * S + R + N];
     for (int e = threadIdx.x; e < E_l; e += blockDim.x) {
         int total = 0;
-        for (int q = 0; q < R; ++q) total += counts[q * S + R + N + e];
+        for (int q = 0; q < R; ++q) total += counts[q * S + R + N + 1 + e];
         recv_per_expert[e] = (total + alignment - 1) / alignment * alignment;
     }
     quiet();  // the staging slots are rewritten by the next notify: the puts must have read them
@@ -530,7 +535,7 @@ Layout make_layout(int64_t hidden_bytes, int num_ranks, int num_ranks_per_node, 
     L.num_nodes = static_cast<int>(N);
     L.max_tokens = max_tokens;
     L.hidden_bytes = hidden_bytes;
-    L.notify_slot_ints = R + N + kMaxLocalExperts;
+    L.notify_slot_ints = R + N + 1 + kMaxLocalExperts;
     // Worst-case fields: FP8 scales of a BF16-sized row, top-k of kMaxTopk, 8 bytes of alignment padding before the
     // int64 ids, the source index and the R destination positions.
     const int64_t scale_max = ceil_div<int64_t>(hidden_bytes / 2, kFp8GroupSize) * 4;
@@ -596,12 +601,13 @@ void barrier(const Layout& L, const Ctx& c, int stage, cudaStream_t stream) {
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void notify(const Layout& L, const Ctx& c, const int* num_tokens_per_rank, const int* num_tokens_per_node, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int* count_matrix, int* node_count, int* recv_per_expert, cudaStream_t stream) {
+void notify(const Layout& L, const Ctx& c, const int* num_tokens_per_rank, const int* num_tokens_per_node, int num_tokens,
+            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* node_count, int* tokens_of,
+            int* recv_per_expert, cudaStream_t stream) {
     EP_HOST_ASSERT(num_tokens_per_expert == nullptr || num_experts / c.num_ranks <= kMaxLocalExperts, "num_experts=", num_experts,
                    ": internode kernels support up to ", kMaxLocalExperts, " experts per rank");
-    notify_kernel<<<1, kSyncThreads, 0, stream>>>(L, c, num_tokens_per_rank, num_tokens_per_node, num_tokens_per_expert, num_experts,
-                                                  expert_alignment, count_matrix, node_count, recv_per_expert);
+    notify_kernel<<<1, kSyncThreads, 0, stream>>>(L, c, num_tokens_per_rank, num_tokens_per_node, num_tokens, num_tokens_per_expert,
+                                                  num_experts, expert_alignment, count_matrix, node_count, tokens_of, recv_per_expert);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -41,7 +41,7 @@ constexpr int kMaxTopk = 16;            // widest top-k (NUM_MAX_TOPK in ep_disp
 struct Layout {
     int num_ranks, num_ranks_per_node, num_nodes, max_tokens;
     int64_t hidden_bytes;
-    int64_t notify_slot_ints;  // R + N + kMaxLocalExperts int32 per (source) slot
+    int64_t notify_slot_ints;  // R + N + 1 + kMaxLocalExperts int32 per (source) slot
     int64_t msg_stride;        // one staged/received token message (worst case for hidden_bytes)
     int64_t recv_row_max;      // one final receive row, all fields (worst case)
     int64_t comb_stride_max;   // one combine row: x + top-k weights (worst case)
@@ -79,11 +79,12 @@ Fields make_fields(const Layout& L, int x_bytes, int scale_bytes, int num_topk);
 
 void barrier(const Layout& L, const Ctx& c, int stage, cudaStream_t stream);
 
-// count_matrix[R*R] (row = source), node_count[R*N] (tokens source sends to node n), recv_per_expert[E_local]
-// (aligned; skipped when num_tokens_per_expert is null).
-void notify(const Layout& L, const Ctx& c, const int* num_tokens_per_rank, const int* num_tokens_per_node,
+// count_matrix[R*R] (row = source), node_count[R*N] (tokens source sends to node n), tokens_of[R] (each rank's
+// num_tokens, so that every rank can check the buffer's limit for all), recv_per_expert[E_local] (aligned; skipped when
+// num_tokens_per_expert is null).
+void notify(const Layout& L, const Ctx& c, const int* num_tokens_per_rank, const int* num_tokens_per_node, int num_tokens,
             const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* node_count,
-            int* recv_per_expert, cudaStream_t stream);
+            int* tokens_of, int* recv_per_expert, cudaStream_t stream);
 
 // send_pos[T*R]: position of token t among this rank's tokens for rank d, -1 if not sent there;
 // rdma_send_pos[T*N]: likewise per node. fwd_pos[N * fwd_stride * P] (may be null): filled for the combine.

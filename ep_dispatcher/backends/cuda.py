@@ -294,19 +294,25 @@ class CudaBackend(ReferenceBackend):
         send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
             is_token_in_rank, self.num_ranks_per_node
         )
-        count_matrix, node_count, per_expert = self.internode.notify(
-            per_rank_counts, per_node_counts, num_tokens_per_expert, num_experts or 0, expert_alignment
+        hidden_bytes = x.size(1) * max(x.element_size(), 2)
+        if num_worst_tokens > 0:
+            self._internode_check_tokens(hidden_bytes, x.size(0), everywhere=False)  # no host sync in this mode
+        count_matrix, node_count, tokens_of, per_expert = self.internode.notify(
+            per_rank_counts, per_node_counts, x.size(0), num_tokens_per_expert, num_experts or 0, expert_alignment
         )
-        count_matrix_host = None
+        count_matrix_host = tokens_of_host = None
         per_expert_list: List[int] = []
         if num_worst_tokens == 0:
-            count_matrix_host = count_matrix.cpu()  # the host must know how many rows to allocate
+            # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
+            host = torch.cat([count_matrix.view(-1), tokens_of]).cpu()
+            count_matrix_host = host[: self.num_ranks**2].view(self.num_ranks, self.num_ranks)
+            tokens_of_host = host[self.num_ranks**2 :]
+            self._internode_check_tokens(hidden_bytes, int(tokens_of_host.max()), everywhere=True)
             rows_out = int(count_matrix_host[:, self.rank].sum())
             if per_expert is not None:
                 per_expert_list = per_expert.tolist()
         else:
             rows_out = num_worst_tokens
-        hidden_bytes = x.size(1) * max(x.element_size(), 2)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, fwd_pos = self.internode.dispatch(
             x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, send_pos,
             rdma_send_pos, count_matrix, node_count, rows_out, hidden_bytes, num_sms, False,
@@ -330,17 +336,47 @@ class CudaBackend(ReferenceBackend):
                 "send_pos": send_pos,
                 "rdma_send_pos": rdma_send_pos,
                 "fwd_pos": fwd_pos,
-                "hidden_bytes": hidden_bytes,
+                "tokens_of_host": tokens_of_host,
             },
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
+    def _internode_check_tokens(self, hidden_bytes: int, num_tokens: int, everywhere: bool) -> None:
+        """Raise if ``num_tokens`` tokens per rank of ``hidden_bytes`` do not fit the NVSHMEM buffer.
+
+        ``everywhere``: ``num_tokens`` is the largest count of all ranks (known from the count exchange), so every
+        rank raises here together; otherwise only this rank knows, and its peers' kernels will time out.
+        """
+        capacity = self.internode.max_tokens(hidden_bytes)
+        if num_tokens <= capacity:
+            return
+        need = Config().get_rdma_buffer_size_hint(
+            hidden_bytes, self.num_ranks, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
+        )
+        who = "some rank of the group passes" if everywhere else "this rank passes"
+        raise ValueError(
+            f"num_rdma_bytes: {who} {num_tokens} tokens, but the internode buffer holds {capacity} tokens per rank "
+            f"of {hidden_bytes} hidden bytes; create the Buffer with num_rdma_bytes >= {need} "
+            f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.num_ranks}, {self.num_ranks_per_node}, "
+            f"num_max_tokens_per_rank={num_tokens}))"
+            + ("" if everywhere else "; the other ranks will time out waiting for this one")
+        )
+
+    def _internode_check_handle(self, handle: DispatchHandle, hidden_bytes: int) -> None:
+        tokens_of = handle.backend_state["tokens_of_host"]
+        if tokens_of is not None:
+            self._internode_check_tokens(hidden_bytes, int(tokens_of.max()), everywhere=True)
+        else:
+            self._internode_check_tokens(hidden_bytes, handle.num_tokens, everywhere=False)
+
     def _internode_cached_dispatch(self, x, x_scales, handle: DispatchHandle, config):
         state = handle.backend_state
         num_sms = (config or Config()).num_sms
+        hidden_bytes = x.size(1) * max(x.element_size(), 2)
+        self._internode_check_handle(handle, hidden_bytes)
         recv_x, recv_scales, _, _, _, _ = self.internode.dispatch(
             x, x_scales, None, None, 1, state["send_pos"], state["rdma_send_pos"], state["count_matrix"],
-            state["node_count"], handle.num_recv_rows, x.size(1) * max(x.element_size(), 2), num_sms, True,
+            state["node_count"], handle.num_recv_rows, hidden_bytes, num_sms, True,
         )
         return recv_x, recv_scales
 
@@ -349,6 +385,7 @@ class CudaBackend(ReferenceBackend):
         num_sms = (config or Config()).num_sms
         bias0 = bias[0].contiguous() if len(bias) > 0 else None
         bias1 = bias[1].contiguous() if len(bias) > 1 else None
+        self._internode_check_handle(handle, x.size(1) * max(x.element_size(), 2))
         return self.internode.combine(
             x.contiguous(), None if topk_weights is None else topk_weights.contiguous(), bias0, bias1,
             state["rdma_send_pos"], state["count_matrix"], state["node_count"], state["fwd_pos"], handle.num_tokens,
