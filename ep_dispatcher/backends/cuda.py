@@ -537,7 +537,8 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_
     global _nvshmem_reserved
     if _C.nvshmem_is_initialized():
         heap = _heap_bytes()
-        if heap is not None and _nvshmem_reserved + num_rdma_bytes + _NVSHMEM_HEAP_SLACK > heap:
+        # Certain not to fit (NVSHMEM's own state needs room too, so nvshmem_malloc may still fail short of this).
+        if heap is not None and _nvshmem_reserved + num_rdma_bytes > heap:
             raise ValueError(
                 f"num_rdma_bytes: this process already holds {_nvshmem_reserved} bytes of NVSHMEM buffers and the "
                 f"symmetric heap is NVSHMEM_SYMMETRIC_SIZE={heap} bytes; a further {num_rdma_bytes} bytes do not fit. "
