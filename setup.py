@@ -209,6 +209,8 @@ def _cuda_extension_kwargs(version: str) -> dict:
         "csrc/intranode_bindings.cpp",
         "csrc/kernels/low_latency.cu",
         "csrc/low_latency_bindings.cpp",
+        "csrc/kernels/internode.cu",
+        "csrc/internode_bindings.cpp",
         "csrc/runtime/driver_api.cpp",
         "csrc/runtime/ipc_buffer.cpp",
         # Always compiled: without EP_DISPATCHER_WITH_NVSHMEM it holds stubs that raise a clear error.

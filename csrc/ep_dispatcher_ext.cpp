@@ -112,12 +112,14 @@ std::string cuda_arch_list() {
 namespace ep {
 void register_intranode(py::module_& m);    // intranode_bindings.cpp
 void register_low_latency(py::module_& m);  // low_latency_bindings.cpp
+void register_internode(py::module_& m);    // internode_bindings.cpp
 }  // namespace ep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ep_dispatcher CUDA engine (use ep_dispatcher.Buffer; these bindings are internal)";
     ep::register_intranode(m);
     ep::register_low_latency(m);
+    ep::register_internode(m);
 
     m.def("get_dispatch_layout", &ep::get_dispatch_layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
           py::arg("num_ranks_per_node"), py::call_guard<py::gil_scoped_release>(),

@@ -96,7 +96,7 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.validate_inputs = bool(validate_inputs)
         if num_ranks_per_node is None:
-            num_ranks_per_node = int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", _config.DEFAULT_RANKS_PER_NODE))
+            num_ranks_per_node = _config.default_ranks_per_node()
         self.num_ranks_per_node = check_int("num_ranks_per_node", num_ranks_per_node, minimum=1)
         if self.group_size > self.num_ranks_per_node and self.group_size % self.num_ranks_per_node != 0:
             raise ValueError(
@@ -124,7 +124,8 @@ class Buffer:
                 self.group_size,
                 self.num_ranks_per_node,
                 num_nvl_bytes=self.num_nvl_bytes,
-                num_rdma_bytes=self.num_rdma_bytes if self.low_latency_mode else 0,
+                num_rdma_bytes=self.num_rdma_bytes,
+                low_latency_mode=self.low_latency_mode,
                 allow_nvlink=self.allow_nvlink_for_low_latency_mode,
                 timeout_s=self.timeout_s,
             )
@@ -323,14 +324,8 @@ class Buffer:
                 f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
                 f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}"
             )
-        if self.is_internode:
-            need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
-            if self.num_rdma_bytes < need_rdma:
-                raise ValueError(
-                    f"num_rdma_bytes: internode calls need at least {need_rdma} bytes "
-                    f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.group_size})), "
-                    f"but the Buffer was created with num_rdma_bytes={self.num_rdma_bytes}"
-                )
+        # The NVSHMEM buffer of the internode engine is checked by the engine (after its count exchange, so that
+        # every rank raises together); the reference backend needs none of it.
 
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         data, scales = split_fp8(name, x)
@@ -501,8 +496,12 @@ class Buffer:
             bias: optional ``[num_tokens, hidden]`` tensor or pair of them, added to the sum.
         Returns:
             ``(combined_x [num_tokens, hidden] x.dtype, combined_topk_weights [num_tokens, num_topk] float32 or None,
-            event)``. Summation: ``bias_0 + bias_1``, then each rank's row in rank order, in fp32 (fp64 for fp64
-            input), one rounding at the end: deterministic.
+            event)``. Summation (deterministic, fp32; fp64 for fp64 input): within one node, ``0 + bias_0 + bias_1``,
+            then each rank's row in rank order, one rounding at the end. When the group spans several nodes
+            (``num_ranks > num_ranks_per_node``): first per node, ``0 + rows of that node's ranks`` in rank order,
+            rounded to ``x.dtype`` (what crosses the RDMA leg); then ``0 + bias_0 + bias_1 + node partials`` in node
+            order, one rounding at the end. Ranks and nodes that did not receive the token are skipped. The top-k
+            weights follow the same orders (fp32, no rounding).
         """
         self._check_handle(handle, DispatchHandle)
         rows = handle.num_recv_rows

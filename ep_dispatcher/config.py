@@ -12,12 +12,15 @@ import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 from pathlib import Path
 
 NUM_MAX_TOPK = 16  # widest top-k the engine's per-token metadata slot holds (DeepSeek-V3 uses 8)
 FP8_GROUP_SIZE = 128  # channels per FP8 scale
 BUFFER_ALIGNMENT = 128  # every region of the registered buffer starts on a 128-byte boundary (TMA, 16-B vectors)
 DEFAULT_RANKS_PER_NODE = 8  # GPUs of one NVLink domain unless told otherwise
+DEFAULT_MAX_TOKENS_PER_RANK = 4096  # internode buffer sizing default: the training/prefill shape of DESIGN.md
+INTERNODE_MAX_LOCAL_EXPERTS = 1024  # experts per rank a count slot of the internode engine holds
 NUM_LOW_LATENCY_BUFFERS = 2  # LL calls alternate between two halves, so one call's output survives the next call
 
 
@@ -88,16 +91,60 @@ class Config:
         prefix_matrices = num_ranks * num_ranks * 4 + 2 * num_ranks * self.num_channels * 4
         return _align(ring) + _align(counters) + _align(prefix_matrices)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVSHMEM buffer a rank needs for internode dispatch (0 when all ranks share a node)."""
+    def get_rdma_buffer_size_hint(
+        self,
+        hidden_bytes: int,
+        num_ranks: int,
+        num_ranks_per_node: Optional[int] = None,
+        num_max_tokens_per_rank: Optional[int] = None,
+    ) -> int:
+        """Bytes of NVSHMEM buffer a rank needs for internode dispatch/combine (0 when all ranks share a node).
+
+        ``hidden_bytes = hidden * max(element_size, 2)``; ``num_ranks_per_node`` defaults to Buffer's default (env
+        ``EP_DISPATCHER_RANKS_PER_NODE``, else 8),
+        ``num_max_tokens_per_rank`` (tokens any rank passes to one call) to 4096. The internode engine is sized for
+        the worst case (every token of every rank routed to one rank), not from this config's chunk sizes; the
+        arithmetic is :func:`internode_layout_bytes`, the same as csrc/kernels/internode.cu's ``make_layout``.
+        """
         _check_hint_args(hidden_bytes, num_ranks)
-        if num_ranks <= DEFAULT_RANKS_PER_NODE:
+        # The default follows Buffer's: env EP_DISPATCHER_RANKS_PER_NODE, else 8.
+        per_node = default_ranks_per_node() if num_ranks_per_node is None else num_ranks_per_node
+        if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node <= 0:
+            raise ValueError(f"num_ranks_per_node: expected a positive int, got {num_ranks_per_node!r}")
+        if num_ranks <= per_node:
             return 0
-        num_nodes = (num_ranks + DEFAULT_RANKS_PER_NODE - 1) // DEFAULT_RANKS_PER_NODE
-        # Send and receive rings per (channel, node).
-        ring = 2 * self.num_channels * num_nodes * self.num_max_rdma_chunked_recv_tokens * per_token_bytes(hidden_bytes)
-        counters = 2 * self.num_channels * num_nodes * 4 * 8
-        return _align(ring) + _align(counters)
+        if num_ranks % per_node != 0:
+            raise ValueError(f"num_ranks: expected a multiple of num_ranks_per_node={per_node}, got {num_ranks}")
+        tokens = DEFAULT_MAX_TOKENS_PER_RANK if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"num_max_tokens_per_rank: expected a non-negative int, got {num_max_tokens_per_rank!r}")
+        return internode_layout_bytes(hidden_bytes, num_ranks, per_node, tokens)
+
+
+def default_ranks_per_node() -> int:
+    """Ranks per node when none is given: env ``EP_DISPATCHER_RANKS_PER_NODE``, else 8 (also Buffer's default)."""
+    return int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", DEFAULT_RANKS_PER_NODE))
+
+
+def internode_layout_bytes(hidden_bytes: int, num_ranks: int, num_ranks_per_node: int, max_tokens: int) -> int:
+    """Bytes of the internode engine's symmetric buffer for ``max_tokens`` tokens per rank.
+
+    Signal part (64-bit barrier counters [R], double-buffered count slots [2][R][R + N + 1 + 1024] int32, staging
+    [R][R + N + 1 + 1024]), then the larger of the dispatch part (staged messages [T], received messages [N][T],
+    final rows [R * T]) and the combine part (node rows [R * T], partials [N][T], staged partials [N][T]).
+    Must match ``make_layout`` in csrc/kernels/internode.cu (tests/test_config.py checks it against the extension).
+    """
+    R, P, T = num_ranks, num_ranks_per_node, max_tokens
+    N = R // P
+    slot = R + N + 1 + INTERNODE_MAX_LOCAL_EXPERTS
+    scale_max = (hidden_bytes // 2 + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
+    msg = _align(hidden_bytes + scale_max + 8 + NUM_MAX_TOPK * 12 + 4 + R * 4, 16)
+    recv_row = hidden_bytes + scale_max + NUM_MAX_TOPK * 12 + 4
+    comb = _align(hidden_bytes + NUM_MAX_TOPK * 4, 16)
+    data = _align(R * 8) + _align(2 * R * slot * 4) + _align(R * slot * 4)
+    dispatch = _align(T * msg) + _align(N * T * msg) + _align(R * T * recv_row + 5 * BUFFER_ALIGNMENT)
+    combine = _align(R * T * comb) + 2 * _align(N * T * comb)
+    return data + max(dispatch, combine)
 
 
 def _check_hint_args(hidden_bytes: int, num_ranks: int) -> None:

@@ -127,6 +127,44 @@ def expected_combine(case: Case, me: int, all_inputs, biases=()):
     return acc.to(x.dtype), weights_back
 
 
+def expected_combine_by_node(case: Case, me: int, all_inputs, num_ranks_per_node: int, biases=()):
+    """Multi-node combine order, element by element: per node holding the token, an fp32 partial over its ranks
+    ascending, rounded to bf16; then ``0 + bias_0 + bias_1 + partials`` over nodes ascending in fp32, one rounding.
+    Weights: ``0 + sum over nodes of (0 + sum over the node's ranks)`` in fp32."""
+    x, topk_idx, topk_weights = all_inputs[me]
+    local = case.num_local_experts
+    out = torch.empty((x.size(0), case.hidden), dtype=x.dtype)
+    weights_back = torch.zeros_like(topk_weights)
+    for t in range(x.size(0)):
+        ranks = sorted({e // local for e in topk_idx[t].tolist() if e >= 0})
+        nodes = sorted({r // num_ranks_per_node for r in ranks})
+        rows = {r: expert_fn(r, x[t : t + 1])[0].float() for r in ranks}
+        for c in range(case.hidden):
+            acc = torch.tensor(0.0, dtype=torch.float32)
+            for b in biases:
+                acc = acc + b[t, c].float()
+            for n in nodes:
+                partial = torch.tensor(0.0, dtype=torch.float32)
+                for r in ranks:
+                    if r // num_ranks_per_node == n:
+                        partial = partial + rows[r][c]
+                acc = acc + partial.to(x.dtype).float()
+            out[t, c] = acc.to(x.dtype)
+        for k in range(case.num_topk):
+            acc_w = torch.tensor(0.0, dtype=torch.float32)
+            for n in nodes:
+                partial_w = torch.tensor(0.0, dtype=torch.float32)
+                for r in ranks:
+                    if r // num_ranks_per_node != n:
+                        continue
+                    # Rank r's row carries the weight for its own expert, 0 for experts elsewhere.
+                    is_mine = int(topk_idx[t, k]) >= 0 and int(topk_idx[t, k]) // local == r
+                    partial_w = partial_w + (topk_weights[t, k] if is_mine else 0.0)
+                acc_w = acc_w + partial_w
+            weights_back[t, k] = acc_w
+    return out, weights_back
+
+
 def expected_low_latency_layout(case: Case, dest: int, all_inputs, max_tokens: int):
     """For rank ``dest``: per local expert the list of (src rank, token) in slot order, and per-(expert, src) counts."""
     local = case.num_local_experts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -267,3 +269,37 @@ def _virtual_nodes_worker(rank: int, world: int) -> int:
 
 def test_virtual_nodes_layout_and_dispatch() -> None:
     assert run(_virtual_nodes_worker, 4) == [1] * 4
+
+
+def _multi_node_combine_worker(rank: int, world: int, seeds) -> int:
+    """Combine over 2 nodes x 2 ranks: node partials rounded to bf16, then nodes ascending (Buffer.combine's doc)."""
+    os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = "2"
+    differs = 0
+    for seed in seeds:
+        case = rc.random_case(seed, world, max_tokens=24, hidden_choices=(16, 32, 48))
+        inputs = [rc.rank_inputs(case, r) for r in range(world)]
+        x, topk_idx, topk_weights = inputs[rank]
+        buf = Buffer(None, num_nvl_bytes=Config().get_nvl_buffer_size_hint(case.hidden * 2, world), backend="reference")
+        assert buf.num_ranks_per_node == 2 and buf.is_internode
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, case.num_experts)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        g = torch.Generator().manual_seed(seed + 7 * rank)
+        biases = [(torch.randn((x.size(0), case.hidden), generator=g) * 4).to(torch.bfloat16) for _ in range(2)]
+        y = rc.expert_fn(rank, recv_x)
+        combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=tuple(biases))
+        exp_x, exp_w = rc.expected_combine_by_node(case, rank, inputs, 2, biases)
+        assert torch.equal(combined.view(torch.int16), exp_x.view(torch.int16)), f"seed {seed}"
+        assert torch.equal(combined_w, exp_w), f"seed {seed}"
+        flat_x, _ = rc.expected_combine(case, rank, inputs, biases)
+        differs += int(not torch.equal(combined.view(torch.int16), flat_x.view(torch.int16)))
+        buf.destroy()
+    return differs
+
+
+def test_multi_node_combine_order() -> None:
+    seeds = [11, 12, 13]
+    # Somewhere the node order must give other bits than a flat rank-order sum, else this test proves nothing.
+    assert sum(run(_multi_node_combine_worker, 4, seeds)) > 0
+

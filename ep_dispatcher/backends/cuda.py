@@ -36,6 +36,7 @@ class CudaBackend(ReferenceBackend):
         num_ranks_per_node: int,
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
         allow_nvlink: bool = True,
         timeout_s: float = 100.0,
         **engine_options,
@@ -56,16 +57,36 @@ class CudaBackend(ReferenceBackend):
             dist.barrier(group=group)  # every rank has mapped every buffer before anyone writes
         self.ll: Optional["_C.LowLatencyBuffer"] = None
         self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
-        if num_rdma_bytes > 0 and _C.has_nvshmem():
+        self.internode: Optional["_C.InternodeBuffer"] = None
+        self._nvshmem_bytes = 0
+        if num_rdma_bytes > 0 and _C.has_nvshmem() and low_latency_mode:
             _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
             device = torch.cuda.current_device()
             self.ll = _C.LowLatencyBuffer(
                 rank, num_ranks, num_rdma_bytes, allow_nvlink, self.timeout_ns, device, _low_latency_max_blocks(group)
             )
+            self._nvshmem_bytes = num_rdma_bytes
+        elif num_rdma_bytes > 0 and _C.has_nvshmem() and num_ranks > num_ranks_per_node and internode_engine_enabled():
+            if num_ranks > _C.INTERNODE_MAX_RANKS:
+                raise ValueError(
+                    f"num_ranks: the internode engine supports up to {_C.INTERNODE_MAX_RANKS} ranks, got {num_ranks}"
+                )
+            if num_ranks_per_node > _C.INTERNODE_MAX_RANKS_PER_NODE:
+                raise ValueError(
+                    f"num_ranks_per_node: the internode engine supports up to {_C.INTERNODE_MAX_RANKS_PER_NODE} ranks "
+                    f"per node, got {num_ranks_per_node}"
+                )
+            _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+            self.internode = _C.InternodeBuffer(
+                rank, num_ranks, num_ranks_per_node, num_rdma_bytes, self.timeout_ns, torch.cuda.current_device()
+            )
+            self._nvshmem_bytes = num_rdma_bytes
 
     def engine_calls(self) -> tuple:
         calls = ("get_dispatch_layout",)
         if self.ipc is not None:
+            calls += ("dispatch", "cached_dispatch", "combine")
+        if self.internode is not None:
             calls += ("dispatch", "cached_dispatch", "combine")
         if self.ll is not None:
             calls += ("low_latency_dispatch", "low_latency_combine")
@@ -78,6 +99,11 @@ class CudaBackend(ReferenceBackend):
         if self.ll is not None:
             self.ll.destroy()
             self.ll = None
+        if self.internode is not None:
+            self.internode.destroy()
+            self.internode = None
+        _release_nvshmem(self._nvshmem_bytes)
+        self._nvshmem_bytes = 0
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -104,6 +130,11 @@ class CudaBackend(ReferenceBackend):
         config=None,
         num_tokens_per_expert=None,
     ):
+        if self.internode is not None and x.is_cuda:
+            return self._internode_dispatch(
+                x, x_scales, is_token_in_rank, topk_idx, topk_weights, num_experts, expert_alignment,
+                num_worst_tokens, buffer_id, config, num_tokens_per_expert,
+            )
         if not self._uses_engine(x):
             return super().dispatch(
                 x,
@@ -182,6 +213,8 @@ class CudaBackend(ReferenceBackend):
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         state = handle.backend_state
+        if state.get("internode") and x.is_cuda:
+            return self._internode_cached_dispatch(x, x_scales, handle, config)
         if not (self._uses_engine(x) and state.get("engine") == "cuda"):
             return super().cached_dispatch(x, x_scales, self._reference_view(handle))
         num_sms = (config or Config()).num_sms
@@ -204,6 +237,8 @@ class CudaBackend(ReferenceBackend):
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
         state = handle.backend_state
+        if state.get("internode") and x.is_cuda and x.dtype in _COMBINE_DTYPES:
+            return self._internode_combine(x, handle, topk_weights, bias, config)
         if not (self._uses_engine(x) and state.get("engine") == "cuda" and x.dtype in _COMBINE_DTYPES):
             return super().combine(x, self._reference_view(handle), topk_weights, bias)
         num_sms = (config or Config()).num_sms
@@ -246,6 +281,118 @@ class CudaBackend(ReferenceBackend):
         )
         return handle
 
+
+    # ------------------------------------------------------------------ internode dispatch / combine
+    def _internode_dispatch(
+        self, x, x_scales, is_token_in_rank, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens,
+        buffer_id, config, num_tokens_per_expert,
+    ):
+        """Two-leg dispatch (RDMA to the same local index on each node, then NVLink); see csrc/kernels/internode.cuh.
+
+        The per-rank and per-node counts are recomputed here from ``is_token_in_rank`` (device ops, no host sync), so
+        the kernels cannot be handed counts that disagree with the routing.
+        """
+        num_sms = (config or Config()).num_sms
+        send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
+            is_token_in_rank, self.num_ranks_per_node
+        )
+        hidden_bytes = x.size(1) * max(x.element_size(), 2)
+        if num_worst_tokens > 0:
+            self._internode_check_tokens(hidden_bytes, x.size(0), everywhere=False)  # no host sync in this mode
+        count_matrix, node_count, tokens_of, per_expert = self.internode.notify(
+            per_rank_counts, per_node_counts, x.size(0), num_tokens_per_expert, num_experts or 0, expert_alignment
+        )
+        count_matrix_host = tokens_of_host = None
+        per_expert_list: List[int] = []
+        if num_worst_tokens == 0:
+            # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
+            host = torch.cat([count_matrix.view(-1), tokens_of]).cpu()
+            count_matrix_host = host[: self.num_ranks**2].view(self.num_ranks, self.num_ranks)
+            tokens_of_host = host[self.num_ranks**2 :]
+            self._internode_check_tokens(hidden_bytes, int(tokens_of_host.max()), everywhere=True)
+            rows_out = int(count_matrix_host[:, self.rank].sum())
+            if per_expert is not None:
+                per_expert_list = per_expert.tolist()
+        else:
+            rows_out = num_worst_tokens
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, fwd_pos = self.internode.dispatch(
+            x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, send_pos,
+            rdma_send_pos, count_matrix, node_count, rows_out, hidden_bytes, num_sms, False,
+        )
+        handle = DispatchHandle(
+            buffer_id=buffer_id,
+            num_ranks=self.num_ranks,
+            rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32),
+            recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_token_in_rank,
+            num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
+            num_recv_tokens_per_expert=per_expert,
+            num_worst_tokens=num_worst_tokens,
+            expert_alignment=expert_alignment,
+            backend_state={
+                "engine": "cuda",
+                "internode": True,
+                "count_matrix": count_matrix,
+                "count_matrix_host": count_matrix_host,
+                "node_count": node_count,
+                "send_pos": send_pos,
+                "rdma_send_pos": rdma_send_pos,
+                "fwd_pos": fwd_pos,
+                "tokens_of_host": tokens_of_host,
+            },
+        )
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def _internode_check_tokens(self, hidden_bytes: int, num_tokens: int, everywhere: bool) -> None:
+        """Raise if ``num_tokens`` tokens per rank of ``hidden_bytes`` do not fit the NVSHMEM buffer.
+
+        ``everywhere``: ``num_tokens`` is the largest count of all ranks (known from the count exchange), so every
+        rank raises here together; otherwise only this rank knows, and its peers' kernels will time out.
+        """
+        capacity = self.internode.max_tokens(hidden_bytes)
+        if num_tokens <= capacity:
+            return
+        need = Config().get_rdma_buffer_size_hint(
+            hidden_bytes, self.num_ranks, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
+        )
+        who = "some rank of the group passes" if everywhere else "this rank passes"
+        raise ValueError(
+            f"num_rdma_bytes: {who} {num_tokens} tokens, but the internode buffer holds {capacity} tokens per rank "
+            f"of {hidden_bytes} hidden bytes; create the Buffer with num_rdma_bytes >= {need} "
+            f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.num_ranks}, {self.num_ranks_per_node}, "
+            f"num_max_tokens_per_rank={num_tokens}))"
+            + ("" if everywhere else "; the other ranks will time out waiting for this one")
+        )
+
+    def _internode_check_handle(self, handle: DispatchHandle, hidden_bytes: int) -> None:
+        tokens_of = handle.backend_state["tokens_of_host"]
+        if tokens_of is not None:
+            self._internode_check_tokens(hidden_bytes, int(tokens_of.max()), everywhere=True)
+        else:
+            self._internode_check_tokens(hidden_bytes, handle.num_tokens, everywhere=False)
+
+    def _internode_cached_dispatch(self, x, x_scales, handle: DispatchHandle, config):
+        state = handle.backend_state
+        num_sms = (config or Config()).num_sms
+        hidden_bytes = x.size(1) * max(x.element_size(), 2)
+        self._internode_check_handle(handle, hidden_bytes)
+        recv_x, recv_scales, _, _, _, _ = self.internode.dispatch(
+            x, x_scales, None, None, 1, state["send_pos"], state["rdma_send_pos"], state["count_matrix"],
+            state["node_count"], handle.num_recv_rows, hidden_bytes, num_sms, True,
+        )
+        return recv_x, recv_scales
+
+    def _internode_combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config):
+        state = handle.backend_state
+        num_sms = (config or Config()).num_sms
+        bias0 = bias[0].contiguous() if len(bias) > 0 else None
+        bias1 = bias[1].contiguous() if len(bias) > 1 else None
+        self._internode_check_handle(handle, x.size(1) * max(x.element_size(), 2))
+        return self.internode.combine(
+            x.contiguous(), None if topk_weights is None else topk_weights.contiguous(), bias0, bias1,
+            state["rdma_send_pos"], state["count_matrix"], state["node_count"], state["fwd_pos"], handle.num_tokens,
+            x.size(1) * max(x.element_size(), 2), num_sms,
+        )
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
     def _ll_prepare(self, max_tokens: int, hidden: int, num_experts: int) -> None:
@@ -338,8 +485,34 @@ class CudaBackend(ReferenceBackend):
             self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
 
+def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node: int):
+    """What the internode kernels need from a send pattern, by device ops only (no host sync).
+
+    Args:
+        is_token_in_rank: ``[num_tokens, num_ranks] bool``.
+    Returns:
+        ``(send_pos [num_tokens, num_ranks] int32, rdma_send_pos [num_tokens, num_nodes] int32,
+        num_tokens_per_rank [num_ranks] int32, num_tokens_per_node [num_nodes] int32)``: the position of each token
+        among this rank's tokens for each destination rank / node, ``-1`` where it is not sent; and the counts.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    in_rank = is_token_in_rank.contiguous()
+    in_rank_int = in_rank.to(torch.int32)
+    send_pos = torch.where(in_rank, torch.cumsum(in_rank_int, 0, dtype=torch.int32) - in_rank_int, -1).contiguous()
+    in_node = in_rank.view(num_tokens, num_ranks // num_ranks_per_node, num_ranks_per_node).any(2)
+    in_node_int = in_node.to(torch.int32)
+    rdma_send_pos = torch.where(in_node, torch.cumsum(in_node_int, 0, dtype=torch.int32) - in_node_int, -1).contiguous()
+    return send_pos, rdma_send_pos, in_rank_int.sum(0, dtype=torch.int32), in_node_int.sum(0, dtype=torch.int32)
+
+
 _COMBINE_RECV_BLOCKS = 16  # blocks of the combine's receive (sum) kernel; 8 ranks x 16 fit one H200 under MPS
 _NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric heap too
+
+
+def internode_engine_enabled() -> bool:
+    """The internode kernels are opt-in (``EP_DISPATCHER_INTERNODE_ENGINE=1``) until they have passed the GPU tests;
+    without it a Buffer spanning nodes runs the reference implementation (same results, slower)."""
+    return os.environ.get("EP_DISPATCHER_INTERNODE_ENGINE", "0") == "1"
 
 
 def ranks_sharing_this_gpu(group: dist.ProcessGroup) -> int:
@@ -362,13 +535,50 @@ def _low_latency_max_blocks(group: dist.ProcessGroup) -> int:
     return max(1, sm_count // sharing)
 
 
+_nvshmem_reserved = 0  # symmetric bytes held by this process's live buffers (low-latency and internode)
+
+
+def _heap_bytes() -> Optional[int]:
+    """NVSHMEM_SYMMETRIC_SIZE as bytes (accepts NVSHMEM's k/m/g/t suffixes), None when unset or unparsable."""
+    text = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "").strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    try:
+        if text and text[-1] in scale:
+            return int(float(text[:-1]) * scale[text[-1]])
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def _release_nvshmem(num_bytes: int) -> None:
+    global _nvshmem_reserved
+    _nvshmem_reserved = max(0, _nvshmem_reserved - num_bytes)
+
+
 def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int) -> None:
-    """Initialise NVSHMEM over ``group`` (once per process): rank 0's unique id travels through the process group."""
+    """Initialise NVSHMEM over ``group`` (once per process): rank 0's unique id travels through the process group.
+
+    The symmetric heap is sized once, at initialisation, from NVSHMEM_SYMMETRIC_SIZE; when unset it is set to this
+    buffer plus slack. A process that holds both an internode and a low-latency buffer must set it to at least the
+    sum of their num_rdma_bytes plus 256 MiB before creating the first one; otherwise the second raises here.
+    """
+    global _nvshmem_reserved
     if _C.nvshmem_is_initialized():
+        heap = _heap_bytes()
+        # Certain not to fit (NVSHMEM's own state needs room too, so nvshmem_malloc may still fail short of this).
+        if heap is not None and _nvshmem_reserved + num_rdma_bytes > heap:
+            raise ValueError(
+                f"num_rdma_bytes: this process already holds {_nvshmem_reserved} bytes of NVSHMEM buffers and the "
+                f"symmetric heap is NVSHMEM_SYMMETRIC_SIZE={heap} bytes; a further {num_rdma_bytes} bytes do not fit. "
+                f"Set NVSHMEM_SYMMETRIC_SIZE >= {_nvshmem_reserved + num_rdma_bytes + _NVSHMEM_HEAP_SLACK} before the "
+                "first Buffer is created (the heap is sized once per process)"
+            )
         _C.nvshmem_init(b"", rank, num_ranks)  # only checks that the world is the same
+        _nvshmem_reserved += num_rdma_bytes
         return
     # NVSHMEM sizes its symmetric heap from the environment at init; make room for this buffer unless the user chose.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(num_rdma_bytes + _NVSHMEM_HEAP_SLACK))
+    _nvshmem_reserved += num_rdma_bytes
     unique_id = [_C.nvshmem_get_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
     _C.nvshmem_init(unique_id[0], rank, num_ranks)

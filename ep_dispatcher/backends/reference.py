@@ -5,8 +5,13 @@ NCCL on GPUs; CUDA tensors on a gloo group are staged through host memory), and 
 (orders, counts, handles, FP8 casts, sums) in the exact order the CUDA engine must reproduce:
 
 * dispatch receive order: source rank ascending, source token order kept inside a rank;
-* combine: ``acc = bias_0 + bias_1`` (fp32), then ``acc += y_r`` over the ranks ``r`` that
-  received the token, ascending, one rounding to the output dtype at the end;
+* combine, group within one node: ``acc = 0 + bias_0 + bias_1`` (fp32), then ``acc += y_r`` over the ranks ``r``
+  that received the token, ascending, one rounding to the output dtype at the end;
+* combine, group spanning several nodes (``num_ranks > num_ranks_per_node``; node ``n`` = ranks
+  ``n * P .. n * P + P - 1``): per node ``n`` that received the token, ``p_n = 0 + y_r`` summed in fp32 over that
+  node's ranks ``r`` ascending, rounded to the output dtype (the internode engine sends ``p_n`` over the RDMA leg in
+  that dtype); then ``acc = 0 + bias_0 + bias_1``, ``acc += float(p_n)`` over those nodes ascending, in fp32, one
+  rounding at the end. Combined top-k weights: ``0 + sum_n (0 + sum_{r in n} w_r)`` in fp32, same orders;
 * low-latency slots: per local expert, source rank ascending, token index ascending inside a rank;
 * low-latency combine: ``acc = 0``; for ``k`` ascending over valid top-k entries ``acc = fl(acc + fl(w_k * y_k))``
   in fp32, then one rounding to BF16.
@@ -263,7 +268,13 @@ class ReferenceBackend:
         bias: Sequence[torch.Tensor],
         config=None,
     ):
-        """Sum each token's rows from every rank that received it. Returns ``(combined_x, combined_topk_weights)``."""
+        """Sum each token's rows from every rank that received it. Returns ``(combined_x, combined_topk_weights)``.
+
+        Order (fp32, fp64 for fp64 input): one node: ``0 + bias_0 + bias_1 + y_r`` over ranks ascending. Several
+        nodes: node partials ``p_n = 0 + y_r`` over the node's ranks ascending, each rounded to ``x.dtype``, then
+        ``0 + bias_0 + bias_1 + p_n`` over nodes ascending; nodes/ranks that did not receive the token are skipped.
+        One rounding of the total to ``x.dtype``.
+        """
         state = handle.backend_state
         num_recv = state["num_recv"]
         send_idx, send_counts, recv_counts = state["send_idx"], state["send_counts"], state["recv_counts"]
@@ -290,14 +301,36 @@ class ReferenceBackend:
         combined_w = None
         if topk_weights is not None:
             combined_w = torch.zeros((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=x.device)
-        for r in range(self.num_ranks):
-            lo, hi = offsets[r], offsets[r + 1]
-            if hi == lo:
-                continue
-            idx = send_idx[lo:hi]
-            combined[idx] = combined[idx] + back_x[lo:hi].to(acc_dtype)
+        per_node = self.num_ranks_per_node
+        if self.num_ranks <= per_node:
+            for r in range(self.num_ranks):
+                lo, hi = offsets[r], offsets[r + 1]
+                if hi == lo:
+                    continue
+                idx = send_idx[lo:hi]
+                combined[idx] = combined[idx] + back_x[lo:hi].to(acc_dtype)
+                if combined_w is not None:
+                    combined_w[idx] = combined_w[idx] + fields[1][lo:hi].to(torch.float32)
+            return combined.to(x.dtype), combined_w
+        # Several nodes: reduce inside each node first (the partial is rounded to x.dtype, as the engine sends it
+        # over the RDMA leg), then across nodes in node order.
+        for n in range(self.num_ranks // per_node):
+            partial = torch.zeros_like(combined)
+            partial_w = torch.zeros_like(combined_w) if combined_w is not None else None
+            present = torch.zeros(num_tokens, dtype=torch.bool, device=x.device)
+            for r in range(n * per_node, (n + 1) * per_node):
+                lo, hi = offsets[r], offsets[r + 1]
+                if hi == lo:
+                    continue
+                idx = send_idx[lo:hi]
+                present[idx] = True
+                partial[idx] = partial[idx] + back_x[lo:hi].to(acc_dtype)
+                if partial_w is not None:
+                    partial_w[idx] = partial_w[idx] + fields[1][lo:hi].to(torch.float32)
+            rounded = partial.to(x.dtype).to(acc_dtype)
+            combined[present] = combined[present] + rounded[present]
             if combined_w is not None:
-                combined_w[idx] = combined_w[idx] + fields[1][lo:hi].to(torch.float32)
+                combined_w[present] = combined_w[present] + partial_w[present]
         return combined.to(x.dtype), combined_w
 
     # ------------------------------------------------------------------ low-latency dispatch / combine

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
-# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench timeout (default: all of them, in order)
+# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode timeout (default: all, in order)
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
@@ -9,7 +9,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo  # one
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
-PHASES=${*:-build tests ll bench timeout}
+PHASES=${*:-build tests ll bench internode timeout}
 # Packages carried from the workstation (tests/gpu/prepare_carry.sh: megatron-core for the Megatron step benchmark).
 [ -d .device_carry/site ] && export PYTHONPATH="$PWD/.device_carry/site${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -67,10 +67,22 @@ for phase in $PHASES; do
         bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
             --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
         ;;
+    internode)
+        # Internode engine (NVSHMEM) on virtual nodes of one GPU.
+        start_mps
+        timeout ${EP_INTERNODE_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_internode_gpu.py 2>&1 \
+            | tee "$OUT/internode_tests.log" | tail -30
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        stop_mps
+        bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
+            --profile --out "$OUT/bench_internode_2x4.json"
+        bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
+            --out "$OUT/bench_internode_4x2.json"
+        ;;
     timeout)
         # Last: the timeout test traps a kernel on purpose.
         start_mps
-        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
         stop_mps
         ;;

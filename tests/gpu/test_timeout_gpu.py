@@ -58,3 +58,52 @@ def test_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
     # Device printf from rank 0's barrier kernel, then a CUDA error surfacing as a Python exception.
     assert "ep_dispatcher: timeout after 2000 ms on rank 0 waiting for peer 1" in out, out[-4000:]
     assert "notify: waiting for peers' counts" in out, out[-4000:]
+
+
+_INTERNODE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from ep_dispatcher import Buffer, Config
+    from ep_dispatcher.launch import spawn
+
+    def work(rank, world):
+        os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = "2"
+        os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+        torch.cuda.set_device(0)
+        rdma = Config().get_rdma_buffer_size_hint(256, world, 2, num_max_tokens_per_rank=8)
+        buf = Buffer(None, num_nvl_bytes=64 << 20, num_rdma_bytes=rdma, backend="cuda", timeout_s=2.0)
+        assert "dispatch" in buf.engine_calls
+        topk_idx = torch.zeros((8, 1), dtype=torch.int64, device="cuda")
+        per_rank, per_node, _, in_rank, _ = buf.get_dispatch_layout(topk_idx, world)
+        x = torch.randn((8, 128), device="cuda").to(torch.bfloat16)
+        if rank == world - 1:
+            return "absent"  # never joins the dispatch
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            return "error: " + str(e).splitlines()[0]
+        return "no error"
+
+    if __name__ == "__main__":
+        try:
+            print(spawn(work, 4, timeout_s=90))
+        except RuntimeError as e:
+            print("spawn failed:", e)
+        sys.stdout.flush()
+    """
+)
+
+
+def test_internode_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
+    script = tmp_path / "internode_timeout_case.py"
+    script.write_text(_INTERNODE_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
+    out = proc.stdout + proc.stderr
+    # Device printf from rank 0's notify kernel (rank 3 never sends its counts), then a CUDA error in Python.
+    assert "ep_dispatcher: timeout after 2000 ms on rank 0 (node 0) waiting for rank 3" in out, out[-4000:]
+    assert "internode stage 'notify: waiting for the peer's counts'" in out, out[-4000:]

@@ -1,0 +1,59 @@
+"""Config's internode buffer sizing: Python arithmetic vs the kernels' layout, and argument errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ep_dispatcher import Config
+from ep_dispatcher.config import DEFAULT_MAX_TOKENS_PER_RANK, internode_layout_bytes
+
+SHAPES = [
+    # (hidden_bytes, num_ranks, num_ranks_per_node, max_tokens)
+    (7168 * 2, 16, 8, 4096),
+    (7168 * 2, 8, 4, 4096),
+    (7168 * 2, 8, 2, 100),
+    (2048 * 2, 4, 2, 1),
+    ((1024 + 8) * 2, 4, 2, 333),
+    (1024 * 4, 8, 4, 0),
+    (16, 128, 32, 7),
+]
+
+
+def test_rdma_hint_is_zero_within_one_node() -> None:
+    assert Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert Config().get_rdma_buffer_size_hint(7168 * 2, 4, num_ranks_per_node=4) == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rdma_hint_is_the_layout(shape) -> None:
+    hidden_bytes, ranks, per_node, tokens = shape
+    expected = internode_layout_bytes(hidden_bytes, ranks, per_node, tokens)
+    hint = Config().get_rdma_buffer_size_hint(hidden_bytes, ranks, per_node, num_max_tokens_per_rank=tokens)
+    assert hint == expected
+    assert Config().get_rdma_buffer_size_hint(hidden_bytes, ranks, per_node) == internode_layout_bytes(
+        hidden_bytes, ranks, per_node, DEFAULT_MAX_TOKENS_PER_RANK
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layout_matches_the_extension(shape) -> None:
+    _C = pytest.importorskip("ep_dispatcher._C")
+    hidden_bytes, ranks, per_node, tokens = shape
+    assert _C.internode_layout_bytes(hidden_bytes, ranks, per_node, tokens) == internode_layout_bytes(*shape)
+    # A buffer of exactly the hint holds exactly that many tokens (the kernels size themselves from the bytes).
+    hint = internode_layout_bytes(*shape)
+    got = _C.internode_max_tokens(hint, hidden_bytes, ranks, per_node)
+    assert got >= tokens
+    assert internode_layout_bytes(hidden_bytes, ranks, per_node, got) <= hint
+    assert internode_layout_bytes(hidden_bytes, ranks, per_node, got + 1) > hint
+
+
+def test_rdma_hint_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="num_ranks_per_node: expected a positive int, got 0"):
+        Config().get_rdma_buffer_size_hint(16, 8, num_ranks_per_node=0)
+    with pytest.raises(ValueError, match="num_ranks: expected a multiple of num_ranks_per_node=4, got 10"):
+        Config().get_rdma_buffer_size_hint(16, 10, num_ranks_per_node=4)
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank: expected a non-negative int, got -1"):
+        Config().get_rdma_buffer_size_hint(16, 8, num_ranks_per_node=4, num_max_tokens_per_rank=-1)
+    with pytest.raises(ValueError, match="hidden_bytes"):
+        Config().get_rdma_buffer_size_hint(15, 16)
