@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -32,30 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 from ep_dispatcher.launch import spawn  # noqa: E402
 
-
-def _time_calls(fn: Callable[[], object], calls: int, groups: int) -> float:
-    """Median over ``groups`` of the mean time (s) of ``calls`` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    per_call: List[float] = []
-    for _ in range(groups):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(per_call)
-
-
-def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, device, seed: int = 0):
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn((tokens, hidden), generator=g).to(torch.bfloat16).to(device)
-    topk_idx = torch.rand((tokens, experts), generator=g).topk(topk, dim=1).indices.to(device)
-    topk_weights = torch.rand((tokens, topk), generator=g).to(device)
-    return x, topk_idx, topk_weights
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_intranode import _routing, _time_calls  # noqa: E402  (same timing and routing as the intranode bench)
 
 
 def _leg_rows(rank: int, world: int, per_node: int, in_rank: torch.Tensor, count_matrix: torch.Tensor) -> Dict:

@@ -1,26 +1,13 @@
 // Internode kernels: see internode.cuh for the design, the phases and the buffer layout.
 
-// torch's extension build switches these off for every nvcc compile; NVSHMEM's device headers need them.
-#undef __CUDA_NO_HALF_OPERATORS__
-#undef __CUDA_NO_HALF_CONVERSIONS__
-#undef __CUDA_NO_HALF2_OPERATORS__
-#undef __CUDA_NO_BFLOAT16_CONVERSIONS__
-#undef __CUDA_NO_BFLOAT16_OPERATORS__
-#undef __CUDA_NO_BFLOAT162_OPERATORS__
+#include "kernels/nvshmem_device.cuh"  // first: it re-enables the half/bf16 operators NVSHMEM needs
 
 #include "kernels/internode.cuh"
-
-#include <cuda_bf16.h>
 
 #include <algorithm>
 
 #include "kernels/common.cuh"
 #include "kernels/sync.cuh"
-
-#ifdef EP_DISPATCHER_WITH_NVSHMEM
-#include <nvshmem.h>
-#include <nvshmemx.h>
-#endif
 
 namespace ep::internode {
 namespace {

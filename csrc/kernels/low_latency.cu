@@ -1,28 +1,15 @@
 // Low-latency kernels: see low_latency.cuh for the buffer layout and the protocol.
 
-// torch's extension build defines these for every nvcc compile; NVSHMEM's device headers need the half/bf16
-// operators they switch off (its reductions over half), so this file, which includes them, turns them back on.
-#undef __CUDA_NO_HALF_OPERATORS__
-#undef __CUDA_NO_HALF_CONVERSIONS__
-#undef __CUDA_NO_HALF2_OPERATORS__
-#undef __CUDA_NO_BFLOAT16_CONVERSIONS__
-#undef __CUDA_NO_BFLOAT16_OPERATORS__
-#undef __CUDA_NO_BFLOAT162_OPERATORS__
+#include "kernels/nvshmem_device.cuh"  // first: it re-enables the half/bf16 operators NVSHMEM needs
 
 #include "kernels/low_latency.cuh"
 
-#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 
 #include "kernels/common.cuh"
 #include "kernels/sync.cuh"
-
-#ifdef EP_DISPATCHER_WITH_NVSHMEM
-#include <nvshmem.h>
-#include <nvshmemx.h>
-#endif
 
 namespace ep::low_latency {
 namespace {
