@@ -143,8 +143,55 @@ def _rank_main(rank: int, world: int, args) -> Dict:
                 },
             }
         )
+    tune = _tune_num_sms(buffer, rank, args, device) if args.tune_sms else {}
     buffer.destroy()
-    return {"rank": rank, "copy_gbps": copy_gbps, "results": results}
+    return {"rank": rank, "copy_gbps": copy_gbps, "results": results, "tune": tune}
+
+
+def _tune_num_sms(buffer: Buffer, rank: int, args, device) -> Dict[str, Dict[int, float]]:
+    """Time FP8 dispatch and BF16 combine at the first sweep size for each SM count of ``--tune-sms``."""
+    tokens = args.sweep[0]
+    x, topk_idx, topk_weights = _routing(rank, tokens, args.hidden, args.experts, args.topk, device)
+    x_fp8 = per_token_cast_to_fp8(x)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    times: Dict[str, Dict[int, float]] = {"dispatch": {}, "combine": {}}
+    for num_sms in args.tune_sms:
+        config = Config(num_sms)
+        kwargs = dict(layout, topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+        recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
+        y = torch.randn((recv[0].size(0), args.hidden), device=device).to(torch.bfloat16)
+        times["dispatch"][num_sms] = _time_calls(lambda: buffer.dispatch(x_fp8, **kwargs), args.calls, args.groups)
+        combine = lambda: buffer.combine(y, handle, config=config)  # noqa: E731
+        times["combine"][num_sms] = _time_calls(combine, args.calls, args.groups)
+    return times
+
+
+def write_tuned_sms(per_rank: List[Dict], args) -> str:
+    """Pick, per call, the fewest SMs within 5% of the fastest (slowest rank's median), and write them with the
+    measured times to configs/<gpu>.json (chunk sizes copied from the table in use: the engine does not read them)."""
+    from ep_dispatcher import config as config_module
+
+    gpu = config_module.gpu_config_name() or "unknown_gpu"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", f"{gpu}.json")
+    table = json.loads(json.dumps(config_module._load_config_table(gpu)))  # a copy of what is in use now
+    table["_comment"] = (
+        "num_sms: the fewest SMs within 5% of the fastest measured by benchmarks/bench_intranode.py --tune-sms "
+        "(slowest rank, median); pass it to Buffer.set_num_sms or Config(num_sms). Chunk sizes are DeepEP-compatible "
+        "fields the write-once intranode engine does not read."
+    )
+    for kind in ("dispatch", "combine"):
+        worst = {n: max(r["tune"][kind][n] for r in per_rank) for n in args.tune_sms}
+        best = min(worst.values())
+        chosen = min(n for n, t in worst.items() if t <= best * 1.05)
+        table.setdefault("num_sms", {}).setdefault(kind, {})[str(args.ranks)] = chosen
+        table.setdefault("measured_us", {}).setdefault(kind, {})[str(args.ranks)] = {
+            str(n): round(t * 1e6, 1) for n, t in worst.items()
+        }
+        print(f"  tune {kind}: " + ", ".join(f"{n} SMs {t * 1e6:.0f} us" for n, t in worst.items()) + f" -> {chosen}")
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    return path
 
 
 def main(argv=None) -> int:
@@ -158,6 +205,12 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed group")
     parser.add_argument("--groups", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the full results as JSON here")
+    parser.add_argument(
+        "--tune-sms",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=None,
+        help="comma-separated SM counts: time each at the first sweep size and write configs/<gpu>.json",
+    )
     args = parser.parse_args(argv)
     per_rank = spawn(_rank_main, args.ranks, args)
     copy_gbps = per_rank[0]["copy_gbps"]
@@ -200,6 +253,8 @@ def main(argv=None) -> int:
                 f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us  {agg_bytes / args.ranks / 1e6:8.2f} MB/rank  "
                 f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw){extra}"
             )
+    if args.tune_sms:
+        print(f"  tuned SM counts written to {write_tuned_sms(per_rank, args)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "copy_gbps": copy_gbps, "table": table, "per_rank": per_rank}, f, indent=1)

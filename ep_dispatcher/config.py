@@ -242,6 +242,15 @@ def _short_gpu_name(device: int) -> str:
     return ""
 
 
+def recommended_num_sms(kind: str, num_ranks: int) -> Optional[int]:
+    """SM count ``benchmarks/bench_intranode.py --tune-sms`` measured as best for ``kind`` and ``num_ranks`` on this
+    GPU (``configs/<gpu>.json``), or None when that table has none. Use it with ``Buffer.set_num_sms``."""
+    if kind not in ("dispatch", "combine"):
+        raise ValueError(f"kind: expected 'dispatch' or 'combine', got {kind!r}")
+    value = _load_config_table(gpu_config_name()).get("num_sms", {}).get(kind, {}).get(str(num_ranks))
+    return None if value is None else int(value)
+
+
 def load_tuned_config(kind: str, num_ranks: int, num_sms: int) -> Config:
     """Tuned ``Config`` for ``kind`` ('dispatch' or 'combine') and ``num_ranks``; ``num_sms`` overrides the SMs."""
     if kind not in ("dispatch", "combine"):

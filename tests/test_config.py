@@ -57,3 +57,25 @@ def test_rdma_hint_errors_name_the_argument() -> None:
         Config().get_rdma_buffer_size_hint(16, 8, num_ranks_per_node=4, num_max_tokens_per_rank=-1)
     with pytest.raises(ValueError, match="hidden_bytes"):
         Config().get_rdma_buffer_size_hint(15, 16)
+
+
+def test_recommended_num_sms_reads_the_tuned_table(tmp_path, monkeypatch):
+    """A configs/<gpu>.json written by bench_intranode.py --tune-sms is found, per call and rank count."""
+    import json
+
+    from ep_dispatcher import config as config_module
+
+    (tmp_path / "testgpu.json").write_text(
+        json.dumps({"dispatch": {}, "combine": {}, "num_sms": {"dispatch": {"8": 12}, "combine": {"8": 16}}})
+    )
+    monkeypatch.setenv("EP_DISPATCHER_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(config_module, "gpu_config_name", lambda: "testgpu")
+    config_module._load_config_table.cache_clear()
+    try:
+        assert config_module.recommended_num_sms("dispatch", 8) == 12
+        assert config_module.recommended_num_sms("combine", 8) == 16
+        assert config_module.recommended_num_sms("dispatch", 4) is None
+        with pytest.raises(ValueError, match="kind: expected 'dispatch' or 'combine'"):
+            config_module.recommended_num_sms("layout", 8)
+    finally:
+        config_module._load_config_table.cache_clear()

@@ -57,8 +57,9 @@ for phase in $PHASES; do
         ;;
     bench)
         bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
-        bench 120 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
-            --out "$OUT/bench_intranode_16sms.json"
+        bench 150 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
+            --tune-sms 8,12,16,24 --out "$OUT/bench_intranode_16sms.json"
+        cp configs/*.json "$OUT/" 2>/dev/null  # the tuned table (configs/<gpu>.json) comes back with the logs
         [ "${EP_BENCH_8SMS:-1}" = 1 ] && bench 100 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 \
             --groups 3 --out "$OUT/bench_intranode_8sms.json"
         bench 60 benchmarks/bench_intranode.py --ranks 1 --num-sms 24 --sweep 4096 --calls 5 --groups 3 \
