@@ -407,8 +407,15 @@ class CudaBackend(ReferenceBackend):
                     "during CUDA-graph capture; the buffer must be cleaned (a host sync) first: make one eager call of "
                     "the new shape before capturing"
                 )
-            self.ll.clean()
+            self._clean_low_latency()
         self._ll_shape = shape
+
+    def _clean_low_latency(self) -> None:
+        # NVSHMEM's host barrier inside clean() has no timeout: meet in the process group first (it has one), so a
+        # rank that died or diverged turns into an error here instead of a hang.
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        self.ll.clean()
 
     def low_latency_dispatch(
         self,
@@ -481,7 +488,7 @@ class CudaBackend(ReferenceBackend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         if self.ll is not None:
-            self.ll.clean()
+            self._clean_low_latency()
             self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
 
