@@ -60,7 +60,7 @@ def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Entries must be in ``[-1, num_experts)``; costs one host sync on a GPU (skipped under graph capture)."""
     if topk_idx.numel() == 0 or is_capturing():
         return
-    lo, hi = int(topk_idx.min().item()), int(topk_idx.max().item())
+    lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host sync for both bounds
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"topk_idx: expected entries in [-1, {num_experts}) (-1 = no expert), got min {lo}, max {hi}")
 
