@@ -160,13 +160,18 @@ class CudaBackend(ReferenceBackend):
         x_row, scale_row = x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         if num_worst_tokens == 0:
-            count_matrix_host = count_matrix.cpu()  # the host must know how many rows to allocate
+            # The host must know how many rows to allocate: one copy (one sync) brings the counts and the per-expert
+            # counts together.
+            cells = count_matrix.numel()
+            on_device = count_matrix.view(-1) if per_expert is None else torch.cat([count_matrix.view(-1), per_expert])
+            host = on_device.cpu()
+            count_matrix_host = host[:cells].view(count_matrix.shape)
             rows_out = int(count_matrix_host[:, self.rank].sum())
             self._check_capacity(
                 count_matrix_host.sum(0).max(), self.ipc.dispatch_capacity(x_row, scale_row, num_topk), "dispatch"
             )
             if per_expert is not None:
-                per_expert_list = per_expert.tolist()
+                per_expert_list = host[cells:].tolist()
         else:
             rows_out = num_worst_tokens
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = _C.intranode_dispatch(
