@@ -59,6 +59,7 @@ class LowLatencyBuffer {
 
     at::Tensor dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
                              bool use_fp8, bool round_scale) {
+        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         check(x, "x");
         check(topk_idx, "topk_idx");
         const auto L = layout(max_tokens, num_experts, x.size(1));
@@ -73,6 +74,7 @@ class LowLatencyBuffer {
     void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
                        const at::Tensor& recv_x, const OptTensor& recv_scales, const at::Tensor& src_info, const at::Tensor& layout_range,
                        const at::Tensor& recv_count, const OptTensor& cumulative_stats) {
+        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         for (const auto* t : {&recv_x, &src_info, &layout_range, &recv_count}) check(*t, "output");
         if (use_fp8) TORCH_CHECK_VALUE(recv_scales.has_value(), "recv_scales: required with use_fp8");
         if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
@@ -83,6 +85,7 @@ class LowLatencyBuffer {
     }
 
     void combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts) {
+        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         check(x, "x");
         check(layout_range, "layout_range");
         const auto L = layout(max_tokens, num_experts, x.size(2));
@@ -93,6 +96,7 @@ class LowLatencyBuffer {
 
     void combine_recv(int64_t half_index, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
                       int64_t max_tokens, int64_t num_experts, const at::Tensor& out, int64_t num_sms) {
+        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         for (const auto* t : {&topk_idx, &topk_weights, &send_slot, &out}) check(*t, "combine input");
         const auto L = layout(max_tokens, num_experts, out.size(1));
         low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), send_slot.data_ptr<int>(),

@@ -138,6 +138,7 @@ class Buffer:
         self._destroyed = False
         self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
         self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
+        self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -555,6 +556,17 @@ class Buffer:
                 f"with num_rdma_bytes={self.num_rdma_bytes}"
             )
 
+    def _check_low_latency_shape(self, shape: tuple) -> None:
+        # The buffer is laid out per (max_tokens, hidden, num_experts); a call of another shape re-lays it out
+        # (clearing it), which would erase what a pending hook is still to receive.
+        if self._ll_shape is not None and shape != self._ll_shape and self.num_pending_low_latency_hooks:
+            raise RuntimeError(
+                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) = {shape} differs from "
+                f"the previous call's {self._ll_shape} while {self.num_pending_low_latency_hooks} hook(s) have not "
+                "run; run the pending hooks before changing the shape"
+            )
+        self._ll_shape = shape
+
     @property
     def num_pending_low_latency_hooks(self) -> int:
         """Low-latency calls whose hook has not run yet (at most ``NUM_LOW_LATENCY_BUFFERS``)."""
@@ -627,6 +639,7 @@ class Buffer:
             raise ValueError(f"x: expected shape [num_tokens, hidden], got {list(x.shape)}")
         num_tokens, hidden = x.shape
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._check_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
@@ -677,8 +690,11 @@ class Buffer:
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
+        handle._received = not return_recv_hook  # combine refuses a handle whose receive phase has not run
+
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
+            handle._received = True
 
         hook = self._make_hook(finish, return_recv_hook, half)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
@@ -724,6 +740,14 @@ class Buffer:
         num_slots = self.group_size * handle.num_max_dispatch_tokens_per_rank
         check_tensor("x", x, dtypes=torch.bfloat16, shape=(num_local_experts, num_slots, handle.hidden))
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if not getattr(handle, "_received", True):
+            raise RuntimeError(
+                "handle: the receive hook of the low_latency_dispatch that made it has not run; call that hook() "
+                "before low_latency_combine (the handle's layout is filled by the receive phase)"
+            )
+        self._check_low_latency_shape(
+            (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        )
         if zero_copy:
             expected = self.get_next_low_latency_combine_buffer(handle)
             if x.data_ptr() != expected.data_ptr():
@@ -750,6 +774,12 @@ class Buffer:
         """Reset the low-latency buffer's signal area (needed after high-throughput use of the same memory)."""
         self._check_alive()
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self.num_pending_low_latency_hooks:
+            raise RuntimeError(
+                f"clean_low_latency_buffer: {self.num_pending_low_latency_hooks} low-latency hook(s) have not run; "
+                "cleaning would erase the data they are to receive. Run them first"
+            )
+        self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         clean = getattr(self._backend, "clean_low_latency_buffer", None)
         if clean is not None:
             clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -354,6 +354,22 @@ def test_low_latency_hooks_are_bounded_and_single_use(group):
     buf.low_latency_dispatch(x, topk_idx, T, E)  # room again
 
 
+def test_low_latency_refuses_what_would_lose_a_pending_receive(group):
+    buf = _buffer(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(2 * T, H, 1, E))
+    x, topk_idx, topk_weights = _routing()
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match=r"handle: the receive hook of the low_latency_dispatch .* has not run"):
+        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
+    with pytest.raises(RuntimeError, match=r"differs from the previous call's \(16, 128, 8\) while 1 hook\(s\)"):
+        buf.low_latency_dispatch(x, topk_idx, 2 * T, E)
+    with pytest.raises(RuntimeError, match=r"clean_low_latency_buffer: 1 low-latency hook\(s\) have not run"):
+        buf.clean_low_latency_buffer(T, H, E)
+    hook()
+    buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)  # fine once received
+    buf.low_latency_dispatch(x, topk_idx, 2 * T, E)  # and a new shape once nothing is pending
+    buf.clean_low_latency_buffer(T, H, E)
+
+
 def test_low_latency_hook_matches_one_shot(group):
     buf = _buffer()
     x, topk_idx, topk_weights = _routing(3)
