@@ -58,6 +58,7 @@ class CudaBackend(ReferenceBackend):
         self.ll: Optional["_C.LowLatencyBuffer"] = None
         self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
         self.internode: Optional["_C.InternodeBuffer"] = None
+        self._internode_capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
         self._nvshmem_bytes = 0
         if num_rdma_bytes > 0 and _C.has_nvshmem() and low_latency_mode:
             _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
@@ -354,7 +355,9 @@ class CudaBackend(ReferenceBackend):
         ``everywhere``: ``num_tokens`` is the largest count of all ranks (known from the count exchange), so every
         rank raises here together; otherwise only this rank knows, and its peers' kernels will time out.
         """
-        capacity = self.internode.max_tokens(hidden_bytes)
+        capacity = self._internode_capacity.get(hidden_bytes)
+        if capacity is None:  # the engine searches layouts token by token: once per row size, not per call
+            capacity = self._internode_capacity[hidden_bytes] = self.internode.max_tokens(hidden_bytes)
         if num_tokens <= capacity:
             return
         need = Config().get_rdma_buffer_size_hint(
