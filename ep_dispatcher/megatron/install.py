@@ -16,7 +16,10 @@ names. ``install()`` wraps those three places; nothing else in Megatron is modif
   its input (it aliases the router's input, which the router's backward needs); the expert and combine nodes free
   theirs (the permutation copies, and dispatch/combine backward do not read their inputs).
 
-Feature detection covers megatron-core 0.16 ... 0.19 (field and module names that moved); only 0.19.2 is tested.
+Tested with megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (CPU, gloo: tests/test_megatron.py and
+tests/test_megatron_example.py, all of them run in .ci/run). What differs between them (where ``should_free_input``
+lives and its arguments, the SM-count field, whether flex allows shared-expert overlap) is found by feature
+detection, not by version; docs/megatron.md has the table.
 """
 
 from __future__ import annotations
