@@ -6,6 +6,7 @@ GPTModel through the combined-1F1B EP-overlap schedule against the plain schedul
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 import warnings
@@ -115,13 +116,33 @@ def _config(**overrides):
         return TransformerConfig(**args)
 
 
+SHARED_OVERLAP = {"moe_shared_expert_intermediate_size": FFN, "moe_shared_expert_overlap": True}
+# 0.16/0.17 allow moe_shared_expert_overlap with "alltoall" only, 0.18+ with "alltoall" or "flex".
+SHARED_OVERLAP_REFUSED = "moe_shared_expert_overlap only works with alltoall"
+
+
+def _flex_allows_shared_expert_overlap() -> bool:
+    """Whether this megatron-core's own flex/deepep rules allow moe_shared_expert_overlap (0.18+). "deepep" is
+    checked by the same rules, so it gets shared-expert overlap exactly where flex does."""
+    try:
+        _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", **SHARED_OVERLAP)
+    except ValueError as e:
+        if SHARED_OVERLAP_REFUSED in str(e):
+            return False
+        raise
+    return True
+
+
 @requires_megatron
 def test_config_accepts_deepep_with_overlap_options():
     from ep_dispatcher import megatron as plugin
 
     assert plugin.is_installed()
-    config = _config(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True)
-    assert config.moe_token_dispatcher_type == "deepep"
+    if _flex_allows_shared_expert_overlap():
+        assert _config(**SHARED_OVERLAP).moe_token_dispatcher_type == "deepep"
+    else:
+        with pytest.raises(ValueError, match=SHARED_OVERLAP_REFUSED):
+            _config(**SHARED_OVERLAP)
     config = _config(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2, bf16=True)
     assert config.moe_token_dispatcher_type == "deepep" and config.overlap_moe_expert_parallel_comm
     assert plugin.uses_ep_dispatcher(config)
@@ -133,42 +154,64 @@ def test_config_accepts_deepep_with_overlap_options():
 def test_config_rejects_what_deepep_does_not_support():
     with pytest.raises(ValueError, match="does not support moe_pad_expert_input_to_capacity"):
         _config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    # Megatron's own rules still apply to the flipped config.
-    with pytest.raises(AssertionError, match="disable moe_shared_expert_overlap"):
-        _config(
-            overlap_moe_expert_parallel_comm=True,
-            expert_model_parallel_size=2,
-            bf16=True,
-            moe_shared_expert_intermediate_size=FFN,
-            moe_shared_expert_overlap=True,
-        )
+    # Megatron's own rules still apply to the flipped config (0.16/0.17 refuse shared-expert overlap earlier).
+    expected = (
+        (AssertionError, "disable moe_shared_expert_overlap")
+        if _flex_allows_shared_expert_overlap()
+        else (ValueError, SHARED_OVERLAP_REFUSED)
+    )
+    with pytest.raises(expected[0], match=expected[1]):
+        _config(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2, bf16=True, **SHARED_OVERLAP)
 
 
 @requires_megatron
 def test_uninstalled_megatron_rejects_deepep_overlap():
     from ep_dispatcher import megatron as plugin
 
+    ep_overlap = {"overlap_moe_expert_parallel_comm": True, "expert_model_parallel_size": 2, "bf16": True}
     plugin.uninstall()
     try:
-        with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall or flex"):
-            _config(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True)
+        with pytest.raises(ValueError, match=SHARED_OVERLAP_REFUSED):
+            _config(**SHARED_OVERLAP)
+        with pytest.raises(AssertionError, match="supported with alltoall/flex token dispatcher"):
+            _config(**ep_overlap)
     finally:
         plugin.install()
-    assert _config(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True)
+    assert _config(**ep_overlap)
+    if _flex_allows_shared_expert_overlap():
+        assert _config(**SHARED_OVERLAP)
+
+
+def _should_free_input():
+    """Megatron's ``should_free_input`` (where the plugin found it) and the extra arguments it takes: 0.17+ add
+    ``num_local_experts``, which 0.16 does not have."""
+    from ep_dispatcher.megatron.install import _FREE_INPUT_MODULES
+
+    for module_name in _FREE_INPUT_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        fn = getattr(module, "should_free_input", None)
+        if fn is not None:
+            takes_experts = "num_local_experts" in inspect.signature(fn).parameters
+            return fn, (lambda n: (n,)) if takes_experts else (lambda n: ())
+    raise AssertionError(f"should_free_input is in none of {_FREE_INPUT_MODULES}")
 
 
 @requires_megatron
 def test_should_free_input_follows_flex_deepep_policy():
-    utils = importlib.import_module("megatron.core.models.common.utils")
+    should_free_input, extra = _should_free_input()
+    assert hasattr(should_free_input, "__ep_dispatcher_wrapped__")  # install() hooked the function the schedule calls
     ours = _config(expert_model_parallel_size=2)
     flex = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=2)
     for name in ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine"):
         for num_local_experts in (1, 4):
-            assert utils.should_free_input(name, True, ours, num_local_experts) == utils.should_free_input(
-                name, True, flex, num_local_experts
+            assert should_free_input(name, True, ours, *extra(num_local_experts)) == should_free_input(
+                name, True, flex, *extra(num_local_experts)
             ), name
     # The dispatch node's input aliases the router's input: it must survive the forward.
-    assert utils.should_free_input("moe_dispatch", True, ours, 4) is False
+    assert should_free_input("moe_dispatch", True, ours, *extra(4)) is False
     assert ours.moe_token_dispatcher_type == "deepep"  # restored after the query
 
 

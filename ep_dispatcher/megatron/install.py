@@ -16,7 +16,10 @@ names. ``install()`` wraps those three places; nothing else in Megatron is modif
   its input (it aliases the router's input, which the router's backward needs); the expert and combine nodes free
   theirs (the permutation copies, and dispatch/combine backward do not read their inputs).
 
-Feature detection covers megatron-core 0.16 ... 0.19 (field and module names that moved); only 0.19.2 is tested.
+Tested with megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (CPU, gloo: tests/test_megatron.py and
+tests/test_megatron_example.py, all of them run in .ci/run). What differs between them (where ``should_free_input``
+lives and its arguments, the SM-count field, whether flex allows shared-expert overlap) is found by feature
+detection, not by version; docs/megatron.md has the table.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import inspect
 from collections.abc import Callable
 
 TYPE_NAME = "deepep"
-# Modules that have held should_free_input across 0.16 ... 0.19 (it moved to models/common/utils.py in 0.19).
+# Where should_free_input lives: models/common/utils.py in 0.19, models/gpt/fine_grained_callables.py in 0.16-0.18.
+# Its signature is (name, is_moe, config) in 0.16 and (name, is_moe, config, num_local_experts) in 0.17+.
 _FREE_INPUT_MODULES = (
     "megatron.core.models.common.utils",
     "megatron.core.models.gpt.fine_grained_callables",
-    "megatron.core.models.common.model_chunk_schedule_plan",
 )
 
 _state: dict[str, object] = {"installed": False, "route_flex": True}
@@ -90,8 +93,18 @@ def _wrap_post_init(original):
     def __post_init__(self, *args, **kwargs):
         if getattr(self, "moe_token_dispatcher_type", None) != TYPE_NAME:
             return original(self, *args, **kwargs)
-        with _config_as(self, "flex", flex_deepep=True):
-            return original(self, *args, **kwargs)
+        try:
+            with _config_as(self, "flex", flex_deepep=True):
+                return original(self, *args, **kwargs)
+        except (ValueError, AssertionError) as e:
+            # Megatron's message names flex/alltoall (e.g. 0.16/0.17: "moe_shared_expert_overlap only works with
+            # alltoall token dispatcher"); say why a "deepep" config got it (notes: Python 3.11+).
+            if hasattr(e, "add_note"):
+                e.add_note(
+                    f"ep_dispatcher.megatron: moe_token_dispatcher_type={TYPE_NAME!r} is checked by this "
+                    f"megatron-core's flex/deepep rules (megatron-core {megatron_version()})"
+                )
+            raise
 
     return __post_init__
 

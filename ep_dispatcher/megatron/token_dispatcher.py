@@ -144,6 +144,8 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         probs = probs.float()
         if not probs.is_contiguous():
             probs = probs.contiguous()
+        # Shared-expert overlap exists here on 0.18+ only: 0.16/0.17 refuse it for flex (so for "deepep") and their
+        # SharedExpertMLP has no wait_current_stream / pre_forward_comm(wait_current_stream=...).
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         hidden_bytes = hidden_states.size(1) * max(hidden_states.element_size(), 2)
