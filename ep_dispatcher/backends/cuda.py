@@ -190,7 +190,18 @@ class CudaBackend(ReferenceBackend):
             self.timeout_ns,
             False,
         )
-        handle = DispatchHandle(
+        handle = self._engine_handle(
+            buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
+            expert_alignment, count_matrix_host=count_matrix_host, send_pos=send_pos,
+        )
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def _engine_handle(
+        self, buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
+        expert_alignment, **state,
+    ) -> DispatchHandle:
+        """The handle of a dispatch the engine ran; ``state`` is what its cached dispatch and combine reuse."""
+        return DispatchHandle(
             buffer_id=buffer_id,
             num_ranks=self.num_ranks,
             rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32),
@@ -200,14 +211,8 @@ class CudaBackend(ReferenceBackend):
             num_recv_tokens_per_expert=per_expert,
             num_worst_tokens=num_worst_tokens,
             expert_alignment=expert_alignment,
-            backend_state={
-                "engine": "cuda",
-                "count_matrix": count_matrix,
-                "count_matrix_host": count_matrix_host,
-                "send_pos": send_pos,
-            },
+            backend_state={"engine": "cuda", "count_matrix": count_matrix, **state},
         )
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     def _check_capacity(self, needed, capacity: int, what: str) -> None:
         needed = int(needed)
@@ -325,27 +330,10 @@ class CudaBackend(ReferenceBackend):
             x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, send_pos,
             rdma_send_pos, count_matrix, node_count, rows_out, hidden_bytes, num_sms, False,
         )
-        handle = DispatchHandle(
-            buffer_id=buffer_id,
-            num_ranks=self.num_ranks,
-            rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32),
-            recv_src_idx=recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
-            num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
-            num_recv_tokens_per_expert=per_expert,
-            num_worst_tokens=num_worst_tokens,
-            expert_alignment=expert_alignment,
-            backend_state={
-                "engine": "cuda",
-                "internode": True,
-                "count_matrix": count_matrix,
-                "count_matrix_host": count_matrix_host,
-                "node_count": node_count,
-                "send_pos": send_pos,
-                "rdma_send_pos": rdma_send_pos,
-                "fwd_pos": fwd_pos,
-                "tokens_of_host": tokens_of_host,
-            },
+        handle = self._engine_handle(
+            buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
+            expert_alignment, internode=True, count_matrix_host=count_matrix_host, node_count=node_count,
+            send_pos=send_pos, rdma_send_pos=rdma_send_pos, fwd_pos=fwd_pos, tokens_of_host=tokens_of_host,
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
