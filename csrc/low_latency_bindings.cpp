@@ -168,6 +168,13 @@ void register_low_latency(py::module_& m) {
         .def("combine_buffer", &LowLatencyBuffer::combine_buffer)
         .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
         .def("destroy", &LowLatencyBuffer::destroy, py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "low_latency_layout_bytes",
+        [](int num_ranks, int num_experts, int max_tokens, int hidden) {
+            return 2 * low_latency::make_layout(num_ranks, num_experts, max_tokens, hidden).half_bytes;
+        },
+        py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"), py::arg("hidden"),
+        "Bytes of both halves of the low-latency layout (must equal Buffer.get_low_latency_rdma_size_hint).");
     m.def("nvshmem_init", &nvshmem_runtime::init, py::arg("unique_id"), py::arg("rank"), py::arg("num_ranks"),
           "Collective: initialise NVSHMEM on the current device from rank 0's unique id (once per process).");
     m.def("nvshmem_is_initialized", &nvshmem_runtime::is_initialized);

@@ -79,3 +79,15 @@ def test_recommended_num_sms_reads_the_tuned_table(tmp_path, monkeypatch):
             config_module.recommended_num_sms("layout", 8)
     finally:
         config_module._load_config_table.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "max_tokens, hidden, ranks, experts",
+    [(128, 7168, 8, 256), (1, 128, 1, 1), (256, 7168, 16, 256), (32, 640, 4, 12), (64, 2048, 2, 288)],
+)
+def test_low_latency_hint_matches_the_kernels_layout(max_tokens, hidden, ranks, experts) -> None:
+    _C = pytest.importorskip("ep_dispatcher._C")
+    from ep_dispatcher import Buffer
+
+    expected = _C.low_latency_layout_bytes(ranks, experts, max_tokens, hidden)
+    assert Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, experts) == expected
