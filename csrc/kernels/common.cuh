@@ -66,4 +66,7 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
     return (a + b - 1) / b;
 }
 
+// Rounds `value` up to a multiple of `alignment` (buffer region offsets).
+__host__ __device__ constexpr int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
 }  // namespace ep

@@ -20,8 +20,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kAlign = 128;  // every region starts on a 128-byte boundary (16-byte vectors, whole lines)
 constexpr int kFp8GroupSize = 128;
 
-__host__ __device__ constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-
 enum Stage : int {
     kStageNotify = 0,
     kStageDispatchStart = 1,
@@ -71,24 +69,18 @@ __device__ __forceinline__ void quiet() {
 #endif
 }
 
-__device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* ptr) {
-    uint64_t value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
 __device__ __forceinline__ uint64_t* signals(const Layout& L, const Ctx& c) { return reinterpret_cast<uint64_t*>(c.local + L.signal_offset); }
 
 // Waits until `peer` has signalled this rank `epoch` times in total; then traps with a report on timeout.
 __device__ void wait_signal(const Layout& L, const Ctx& c, int peer, unsigned long long epoch, int stage) {
     const uint64_t* sig = signals(L, c) + peer;
     const uint64_t start = sync::global_timer_ns();
-    while (load_acquire_u64(sig) < epoch) {
+    while (sync::load_acquire_sys(sig) < epoch) {
         if (sync::global_timer_ns() - start > static_cast<uint64_t>(c.timeout_ns)) {
             printf("ep_dispatcher: timeout after %lld ms on rank %d (node %d) waiting for rank %d, internode stage '%s' (epoch %llu, "
                    "have %llu)\n",
                    static_cast<long long>(c.timeout_ns / 1000000), c.rank, c.node, peer, stage_name(stage), epoch,
-                   static_cast<unsigned long long>(load_acquire_u64(sig)));
+                   static_cast<unsigned long long>(sync::load_acquire_sys(sig)));
             asm volatile("trap;");
         }
     }

@@ -15,8 +15,6 @@ constexpr int kDataThreads = 512;  // 16 warps per block: enough 16-byte loads i
 constexpr int kWarpsPerBlock = kDataThreads / kWarpSize;
 constexpr int kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
 
-__host__ __device__ constexpr int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
-
 __device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<int*>(base + kFlagsOffset); }
 __device__ __forceinline__ int* counts_of(char* base) { return reinterpret_cast<int*>(base + kCountsOffset); }
 __device__ __forceinline__ int* expert_counts_of(char* base) { return reinterpret_cast<int*>(base + kExpertCountsOffset); }

@@ -20,19 +20,7 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxReceiveBlocks = 32;  // dispatch receive grid (one block per local expert up to this)
 
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-
 // ------------------------------------------------------------------ signals
-__device__ __forceinline__ void store_release_sys_u64(uint64_t* ptr, uint64_t value) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ uint64_t load_acquire_sys_u64(const uint64_t* ptr) {
-    uint64_t value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
 __device__ __forceinline__ int4 load_nc(const int4* ptr) {
     int4 v;
     asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
@@ -45,7 +33,7 @@ __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uin
     const int64_t peer = h.peer_base[pe];
     if (peer != 0) {
         __threadfence_system();
-        store_release_sys_u64(reinterpret_cast<uint64_t*>(peer + h.half_offset + (reinterpret_cast<uint8_t*>(signal) - h.local)), value);
+        sync::store_release_sys(reinterpret_cast<uint64_t*>(peer + h.half_offset + (reinterpret_cast<uint8_t*>(signal) - h.local)), value);
         return;
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
@@ -97,7 +85,7 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* signal, unsigned
     const uint64_t start = sync::global_timer_ns();
     const uint32_t want = static_cast<uint32_t>(epoch);
     while (true) {
-        const uint64_t v = load_acquire_sys_u64(signal);
+        const uint64_t v = sync::load_acquire_sys(signal);
         // Exact match: a stale value from an older epoch, or bytes left by a call of another shape, never passes.
         if (static_cast<uint32_t>(v >> 32) == want) return v;
         if (sync::global_timer_ns() - start > static_cast<uint64_t>(h.timeout_ns)) {

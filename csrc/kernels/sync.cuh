@@ -21,6 +21,17 @@ __device__ __forceinline__ int load_acquire_sys(const int* ptr) {
     return value;
 }
 
+// 64-bit flags (the NVSHMEM engines' epoch-tagged signals).
+__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 // A load that always goes to memory (peers' buffers are written by other GPUs/processes; L1 is not coherent).
 __device__ __forceinline__ int load_relaxed_sys(const int* ptr) {
     int value;
