@@ -9,6 +9,7 @@
 #include <optional>
 #include <tuple>
 
+#include "binding_checks.h"
 #include "kernels/intranode.cuh"
 #include "runtime/ipc_buffer.h"
 
@@ -20,9 +21,7 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 
 void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) {
-    TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == buffer.device(), name, ": expected a tensor on cuda:", buffer.device(), ", got ",
-                      t.device());
-    TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
+    check_cuda_tensor(t, name, buffer.device());
 }
 
 std::tuple<at::Tensor, OptTensor> notify(IpcBuffer& buffer, const at::Tensor& num_tokens_per_rank, const OptTensor& num_tokens_per_expert,

@@ -11,6 +11,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/low_latency.cuh"
+#include "binding_checks.h"
 #include "runtime/nvshmem_runtime.h"
 
 namespace py = pybind11;
@@ -137,8 +138,7 @@ class LowLatencyBuffer {
 
    private:
     void check(const at::Tensor& t, const char* name) const {
-        TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, name, ": expected a tensor on cuda:", device_, ", got ", t.device());
-        TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
+        check_cuda_tensor(t, name, device_);
     }
     cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_); }
 
