@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
-from ep_dispatcher.launch import spawn  # noqa: E402
+from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_intranode import _routing, _time_calls  # noqa: E402  (same timing and routing as the intranode bench)
@@ -74,9 +74,7 @@ def _profile_kernels(step: Callable[[], object], calls: int) -> Dict[str, Dict[s
 def _rank_main(rank: int, world: int, args) -> Dict:
     os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = str(args.ranks_per_node)
     os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"  # the engine is opt-in until verified on a GPU
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     per_node = args.ranks_per_node

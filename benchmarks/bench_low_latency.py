@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ep_dispatcher import Buffer  # noqa: E402
-from ep_dispatcher.launch import spawn  # noqa: E402
+from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_intranode import copy_bandwidth_gbps  # noqa: E402
@@ -106,9 +106,7 @@ def _phases_us(buffer: Buffer, x, topk_idx, topk_weights, tokens: int, experts: 
 
 
 def _rank_main(rank: int, world: int, args) -> Dict:
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     sweep = [int(t) for t in args.sweep.split(",")]

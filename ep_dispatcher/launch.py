@@ -18,6 +18,14 @@ DEFAULT_GROUP_TIMEOUT_S = 300  # a collective stuck this long means a peer died;
 FAILURE_GRACE_S = 15.0  # after one rank failed, how long the others get to finish or fail before they are killed
 
 
+def use_nvshmem_on_one_machine() -> None:
+    """NVSHMEM settings for ranks on one machine without an RDMA NIC, e.g. several ranks sharing one GPU (tests,
+    benchmarks): P2P transport only, no NVLink multicast, bootstrap over loopback. Values already set win."""
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests import reference_cases as rc
+from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
 
 pytestmark = pytest.mark.gpu
@@ -45,9 +46,7 @@ def _setup(rank: int, per_node: int) -> torch.device:
     os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = str(per_node)
     # One GPU, no NIC: P2P transport only, no NVLink multicast, bootstrap over loopback.
     os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"  # opt-in until these tests have passed on a GPU
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
 

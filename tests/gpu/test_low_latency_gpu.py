@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests import reference_cases as rc
+from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
 
 pytestmark = pytest.mark.gpu
@@ -53,10 +54,7 @@ def _env() -> None:
     # A rank stuck on the host (e.g. in an NVSHMEM barrier after a peer failed) prints its stacks and exits.
     stacks_after_s = float(os.environ.get("EP_LL_TEST_STACKS_AFTER_S", "120"))
     faulthandler.dump_traceback_later(stacks_after_s, exit=True, file=sys.stderr)
-    # One GPU, no NIC: NVSHMEM's P2P transport only (DESIGN.md section 5).
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    use_nvshmem_on_one_machine()  # one GPU, no NIC (DESIGN.md section 5)
 
 
 def _num_experts(world: int, per_rank) -> int:

@@ -64,14 +64,12 @@ _INTERNODE_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     from ep_dispatcher import Buffer, Config
-    from ep_dispatcher.launch import spawn
+    from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine
 
     def work(rank, world):
         os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = "2"
         os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"
-        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+        use_nvshmem_on_one_machine()
         torch.cuda.set_device(0)
         rdma = Config().get_rdma_buffer_size_hint(256, world, 2, num_max_tokens_per_rank=8)
         buf = Buffer(None, num_nvl_bytes=64 << 20, num_rdma_bytes=rdma, backend="cuda", timeout_s=2.0)
