@@ -49,12 +49,17 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
-    script = tmp_path / "timeout_case.py"
-    script.write_text(_SCRIPT)
+def _run_case(tmp_path, name: str, source: str, timeout_s: int) -> str:
+    """Run a timeout case in its own process (its CUDA context ends up poisoned); returns stdout + stderr."""
+    script = tmp_path / name
+    script.write_text(source)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    out = proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout_s, env=env)
+    return proc.stdout + proc.stderr
+
+
+def test_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
+    out = _run_case(tmp_path, "timeout_case.py", _SCRIPT, 120)
     # Device printf from rank 0's barrier kernel, then a CUDA error surfacing as a Python exception.
     assert "ep_dispatcher: timeout after 2000 ms on rank 0 waiting for peer 1" in out, out[-4000:]
     assert "notify: waiting for peers' counts" in out, out[-4000:]
@@ -97,11 +102,7 @@ _INTERNODE_SCRIPT = textwrap.dedent(
 
 
 def test_internode_missing_peer_times_out_with_rank_peer_and_stage(tmp_path):
-    script = tmp_path / "internode_timeout_case.py"
-    script.write_text(_INTERNODE_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
-    out = proc.stdout + proc.stderr
+    out = _run_case(tmp_path, "internode_timeout_case.py", _INTERNODE_SCRIPT, 150)
     # Device printf from rank 0's notify kernel (rank 3 never sends its counts), then a CUDA error in Python.
     assert "ep_dispatcher: timeout after 2000 ms on rank 0 (node 0) waiting for rank 3" in out, out[-4000:]
     assert "internode stage 'notify: waiting for the peer's counts'" in out, out[-4000:]
