@@ -33,7 +33,7 @@ from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_intranode import _routing, _time_calls  # noqa: E402  (same timing and routing as the intranode bench)
+from bench_intranode import _routing, time_calls  # noqa: E402  (same timing and routing as the intranode bench)
 
 
 def _leg_rows(rank: int, world: int, per_node: int, in_rank: torch.Tensor, count_matrix: torch.Tensor) -> Dict:
@@ -106,18 +106,7 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         count_matrix = handle.backend_state["count_matrix"].cpu()
         rows = _leg_rows(rank, world, per_node, in_rank.cpu(), count_matrix)
         y = torch.randn((num_recv, args.hidden), device=device).to(torch.bfloat16)
-        times = {
-            "layout": _time_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), args.calls, args.groups),
-            "dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, **kwargs), args.calls, args.groups),
-            "dispatch_fp8_worst": _time_calls(
-                lambda: buffer.dispatch(x_fp8, num_worst_tokens=tokens * world, **kwargs), args.calls, args.groups
-            ),
-            "cached_dispatch_fp8": _time_calls(
-                lambda: buffer.dispatch(x_fp8, handle=handle, config=config), args.calls, args.groups
-            ),
-            "dispatch_bf16": _time_calls(lambda: buffer.dispatch(x, **kwargs), args.calls, args.groups),
-            "combine_bf16": _time_calls(lambda: buffer.combine(y, handle, config=config), args.calls, args.groups),
-        }
+        times = time_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, tokens * world)
         kernels = {}
         if args.profile:
             dist.barrier()

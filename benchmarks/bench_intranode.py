@@ -79,6 +79,20 @@ def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, devic
     return x, topk_idx, topk_weights
 
 
+def time_calls(buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y, worst: int) -> Dict[str, float]:
+    """Seconds per call of layout, FP8 / worst-case FP8 / BF16 / cached FP8 dispatch and BF16 combine."""
+    config = kwargs["config"]
+    calls = {
+        "layout": lambda: buffer.get_dispatch_layout(topk_idx, args.experts),
+        "dispatch_fp8": lambda: buffer.dispatch(x_fp8, **kwargs),
+        "dispatch_fp8_worst": lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs),
+        "dispatch_bf16": lambda: buffer.dispatch(x, **kwargs),
+        "cached_dispatch_fp8": lambda: buffer.dispatch(x_fp8, handle=handle, config=config),
+        "combine_bf16": lambda: buffer.combine(y, handle, config=config),
+    }
+    return {kind: _time_calls(call, args.calls, args.groups) for kind, call in calls.items()}
+
+
 def _rank_main(rank: int, world: int, args) -> Dict:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
@@ -110,18 +124,7 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         local_rows = int(in_rank[:, rank].sum())
         worst = tokens * world
         y = torch.randn((num_recv, args.hidden), device=device).to(torch.bfloat16)
-        times = {
-            "layout": _time_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), args.calls, args.groups),
-            "dispatch_fp8": _time_calls(lambda: buffer.dispatch(x_fp8, **kwargs), args.calls, args.groups),
-            "dispatch_fp8_worst": _time_calls(
-                lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs), args.calls, args.groups
-            ),
-            "dispatch_bf16": _time_calls(lambda: buffer.dispatch(x, **kwargs), args.calls, args.groups),
-            "cached_dispatch_fp8": _time_calls(
-                lambda: buffer.dispatch(x_fp8, handle=handle, config=config), args.calls, args.groups
-            ),
-            "combine_bf16": _time_calls(lambda: buffer.combine(y, handle, config=config), args.calls, args.groups),
-        }
+        times = time_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, worst)
         fp8_row, bf16_row = args.hidden + args.hidden // 128 * 4, args.hidden * 2
         results.append(
             {
