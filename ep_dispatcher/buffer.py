@@ -19,7 +19,14 @@ from . import config as _config
 from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
-from .validation import check_int, check_tensor, check_topk_idx_distinct, check_topk_idx_range, split_fp8
+from .validation import (
+    check_int,
+    check_tensor,
+    check_topk_idx_distinct,
+    check_topk_idx_range,
+    is_capturing,
+    split_fp8,
+)
 
 DEFAULT_TIMEOUT_S = 100.0  # a wait that takes this long is a bug (deadlock, dead peer), not a slow network
 _BACKENDS = ("auto", "cuda", "reference")
@@ -556,16 +563,27 @@ class Buffer:
                 f"with num_rdma_bytes={self.num_rdma_bytes}"
             )
 
-    def _check_low_latency_shape(self, shape: tuple) -> None:
-        # The buffer is laid out per (max_tokens, hidden, num_experts); a call of another shape re-lays it out
-        # (clearing it), which would erase what a pending hook is still to receive.
-        if self._ll_shape is not None and shape != self._ll_shape and self.num_pending_low_latency_hooks:
+    def _enter_low_latency_shape(self, shape: tuple) -> None:
+        # The buffer is laid out per (max_tokens, hidden, num_experts), signals at shape-dependent offsets: a call of
+        # another shape than the last first cleans it (collective: every rank makes the same calls), so bytes of the
+        # old layout cannot pass for a signal. That erases what a pending hook is still to receive, and is a host
+        # sync, which a CUDA graph cannot hold.
+        if self._ll_shape is None or shape == self._ll_shape:
+            self._ll_shape = shape
+            return
+        if self.num_pending_low_latency_hooks:
             raise RuntimeError(
                 f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) = {shape} differs from "
                 f"the previous call's {self._ll_shape} while {self.num_pending_low_latency_hooks} hook(s) have not "
                 "run; run the pending hooks before changing the shape"
             )
-        self._ll_shape = shape
+        if is_capturing():
+            raise RuntimeError(
+                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed from "
+                f"{self._ll_shape} to {shape} during CUDA-graph capture; the buffer must be cleaned (a host sync) "
+                "first: make one eager call of the new shape before capturing"
+            )
+        self.clean_low_latency_buffer(*shape)
 
     @property
     def num_pending_low_latency_hooks(self) -> int:
@@ -639,7 +657,6 @@ class Buffer:
             raise ValueError(f"x: expected shape [num_tokens, hidden], got {list(x.shape)}")
         num_tokens, hidden = x.shape
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._check_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
@@ -662,6 +679,7 @@ class Buffer:
                 shape=(num_local_experts,),
                 device=x.device,
             )
+        self._enter_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
         half = self._take_low_latency_half()
 
         num_slots = self.group_size * num_max_dispatch_tokens_per_rank
@@ -690,11 +708,11 @@ class Buffer:
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
-        handle._received = not return_recv_hook  # combine refuses a handle whose receive phase has not run
+        handle.received = not return_recv_hook  # combine refuses a handle whose receive phase has not run
 
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
-            handle._received = True
+            handle.received = True
 
         hook = self._make_hook(finish, return_recv_hook, half)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
@@ -740,14 +758,11 @@ class Buffer:
         num_slots = self.group_size * handle.num_max_dispatch_tokens_per_rank
         check_tensor("x", x, dtypes=torch.bfloat16, shape=(num_local_experts, num_slots, handle.hidden))
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        if not getattr(handle, "_received", True):
+        if not handle.received:
             raise RuntimeError(
                 "handle: the receive hook of the low_latency_dispatch that made it has not run; call that hook() "
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
             )
-        self._check_low_latency_shape(
-            (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        )
         if zero_copy:
             expected = self.get_next_low_latency_combine_buffer(handle)
             if x.data_ptr() != expected.data_ptr():
@@ -764,6 +779,7 @@ class Buffer:
             check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
         else:
             out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
+        self._enter_low_latency_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
         half = self._take_low_latency_half()
         receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
         hook = self._make_hook(lambda: receive(out), return_recv_hook, half)

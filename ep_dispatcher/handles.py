@@ -70,3 +70,4 @@ class LowLatencyHandle:
     num_tokens: int
     num_topk: int
     backend_state: Any = field(default=None, repr=False)
+    received: bool = True  # False until the receive phase (the hook) of the dispatch that made it has run

@@ -56,7 +56,6 @@ class CudaBackend(ReferenceBackend):
             self.ipc.open_peers(handles)
             dist.barrier(group=group)  # every rank has mapped every buffer before anyone writes
         self.ll: Optional["_C.LowLatencyBuffer"] = None
-        self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
         self.internode: Optional["_C.InternodeBuffer"] = None
         self._internode_capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
         self._nvshmem_bytes = 0
@@ -391,28 +390,6 @@ class CudaBackend(ReferenceBackend):
         )
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
-    def _ll_prepare(self, max_tokens: int, hidden: int, num_experts: int) -> None:
-        # Signals sit at shape-dependent offsets: a call of another shape first clears the buffer (collectively: every
-        # rank makes the same calls), so bytes left by the old layout cannot pass for a signal.
-        shape = (max_tokens, hidden, num_experts)
-        if self._ll_shape is not None and self._ll_shape != shape:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "low-latency call: shape (max_tokens, hidden, num_experts) changed from "
-                    f"{self._ll_shape} to {shape} "
-                    "during CUDA-graph capture; the buffer must be cleaned (a host sync) first: make one eager call of "
-                    "the new shape before capturing"
-                )
-            self._clean_low_latency()
-        self._ll_shape = shape
-
-    def _clean_low_latency(self) -> None:
-        # NVSHMEM's host barrier inside clean() has no timeout: meet in the process group first (it has one), so a
-        # rank that died or diverged turns into an error here instead of a hang.
-        torch.cuda.synchronize()
-        dist.barrier(group=self.group)
-        self.ll.clean()
-
     def low_latency_dispatch(
         self,
         x,
@@ -433,7 +410,6 @@ class CudaBackend(ReferenceBackend):
             )
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
-        self._ll_prepare(max_tokens, hidden, num_experts)
         num_local_experts = num_experts // self.num_ranks
         send_slot = self.ll.dispatch_send(half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale)
         src_info = torch.empty((num_local_experts, self.num_ranks * max_tokens), dtype=torch.int32, device=x.device)
@@ -465,7 +441,6 @@ class CudaBackend(ReferenceBackend):
         if self.ll is None or not x.is_cuda or state.get("engine") != "cuda":
             return super().low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
         max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
-        self._ll_prepare(max_tokens, handle.hidden, num_experts)
         self.ll.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
 
         def receive(out: torch.Tensor) -> None:
@@ -484,8 +459,11 @@ class CudaBackend(ReferenceBackend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         if self.ll is not None:
-            self._clean_low_latency()
-            self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            # NVSHMEM's host barrier inside clean() has no timeout: meet in the process group first (it has one), so
+            # a rank that died or diverged turns into an error here instead of a hang.
+            torch.cuda.synchronize()
+            dist.barrier(group=self.group)
+            self.ll.clean()
 
 
 def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node: int):
