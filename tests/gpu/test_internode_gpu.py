@@ -17,6 +17,7 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
+from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -60,13 +61,6 @@ def _buffers(world: int, per_node: int):
     return cuda, ref
 
 
-def _poison(device) -> None:
-    # Outputs come from torch's pool: fill freed blocks with garbage so that a row the kernels forgot to write cannot
-    # pass by holding stale correct data.
-    junk = torch.full((POISON_BYTES,), 0x7F, dtype=torch.uint8, device=device)
-    del junk
-
-
 def _same(errors: list, what: str, a, b) -> None:
     if a is None or b is None:
         if not (a is None and b is None):
@@ -87,7 +81,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
     config = Config(NUM_SMS)
     tag = f"seed {case.seed} hidden {case.hidden}"
 
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     layout_c = cuda.get_dispatch_layout(topk_idx, case.num_experts)
     layout_r = ref.get_dispatch_layout(topk_idx, case.num_experts)
     for name, a, b in zip(("per_rank", "per_node", "per_expert", "in_rank"), layout_c[:4], layout_r[:4]):
@@ -110,7 +104,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
         topk_weights=topk_weights,
         expert_alignment=alignment,
     )
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     out_c = cuda.dispatch(x, config=config, **kwargs)
     out_r = ref.dispatch(x, **kwargs)
     for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert_list"), out_c[:4], out_r[:4]):
@@ -127,12 +121,12 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
         (torch.randn((x.size(0), case.hidden), generator=g) * 2).to(torch.bfloat16).to(device) for _ in range(2)
     )
     y = rc.expert_fn(me, out_r[0])
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     comb_c = cuda.combine(y, hc, topk_weights=out_r[2], bias=biases, config=config)
     comb_r = ref.combine(y, hr, topk_weights=out_r[2], bias=biases)
     _same(errors, f"{tag} combined_x (bias pair)", comb_c[0], comb_r[0])
     _same(errors, f"{tag} combined_topk_weights", comb_c[1], comb_r[1])
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     _same(errors, f"{tag} combined_x (one bias)", cuda.combine(y, hc, bias=biases[0], config=config)[0],
           ref.combine(y, hr, bias=biases[0])[0])
     _same(errors, f"{tag} combined_x (no bias)", cuda.combine(y, hc, config=config)[0], ref.combine(y, hr)[0])
@@ -141,7 +135,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
 
     # Cached dispatch reproduces the layout for other data.
     x2 = (x.float() * 3 - 1).to(torch.bfloat16)
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     cached_c = cuda.dispatch(x2, handle=hc, config=config)[0]
     _same(errors, f"{tag} cached dispatch", cached_c, ref.dispatch(x2, handle=hr)[0])
 
@@ -149,7 +143,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
     if case.hidden % 128 == 0:
         x8 = per_token_cast_to_fp8(x)
         plain = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank)
-        _poison(device)
+        poison_allocator(POISON_BYTES, device)
         (d_c, s_c), _, _, _, h8c, _ = cuda.dispatch(x8, config=config, **plain)
         (d_r, s_r), _, _, _, h8r, _ = ref.dispatch(x8, **plain)
         _same(errors, f"{tag} fp8 data", d_c, d_r)
@@ -165,7 +159,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
 
     # num_worst_tokens: no host sync; valid rows equal, padding rows marked.
     worst = sum(case.tokens_per_rank) + 5
-    _poison(device)
+    poison_allocator(POISON_BYTES, device)
     wc = cuda.dispatch(x, num_worst_tokens=worst, config=config, **kwargs)
     n = hr.num_recv_tokens
     if wc[0].size(0) != worst or wc[3] != [] or wc[4].num_recv_tokens != -1:

@@ -14,6 +14,7 @@ import torch
 
 from tests import reference_cases as rc
 from tests.dist import run
+from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -46,10 +47,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> 
     inputs = [rc.rank_inputs(case, r) for r in range(case.num_ranks)]
     x, topk_idx, topk_weights = (t.to(device) for t in inputs[me])
     config = Config(NUM_SMS)
-    # The engine allocates its outputs from torch's pool: fill freed blocks with garbage so that an output row the
-    # kernels forgot to write cannot pass by holding stale correct data.
-    junk = torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=device)
-    del junk
+    poison_allocator(64 << 20, device)
 
     layout_c = cuda.get_dispatch_layout(topk_idx, case.num_experts)
     layout_r = ref.get_dispatch_layout(topk_idx, case.num_experts)

@@ -24,6 +24,7 @@ if importlib.util.find_spec("ep_dispatcher._C") is None:
     )
 
 from ep_dispatcher import _C  # noqa: E402
+from tests.poison import poison_allocator  # noqa: E402
 
 NUM_RANKS_PER_NODE = 8  # one NVLink domain of 8 GPUs: 16 and 32 ranks produce a per-node (RDMA) output
 
@@ -200,13 +201,6 @@ def test_out_of_range_expert_ids_are_ignored():
     assert_layout_equal(actual, reference_layout(topk_idx, 64, 8, NUM_RANKS_PER_NODE), 300, 8, 64)
 
 
-def _poison_allocator(num_bytes: int, count: int) -> None:
-    """Leaves freed blocks full of non-zero bytes in the caching allocator, for the next allocations to reuse."""
-    blocks = [torch.full((num_bytes,), 0x5A, dtype=torch.uint8, device="cuda") for _ in range(count)]
-    torch.cuda.synchronize()
-    del blocks
-
-
 @pytest.mark.parametrize(
     "num_tokens,num_topk,num_experts,num_ranks", [(4096, 8, 256, 16), (300, 9, 1024, 32), (7, 3, 8, 2)]
 )
@@ -224,7 +218,7 @@ def test_outputs_do_not_depend_on_stale_memory(num_tokens: int, num_topk: int, n
 
     # Blocks explicitly filled with 0x5A (counts 0x5A5A5A5A, flags "true" in every byte).
     for num_bytes in (num_tokens * num_ranks, 4 * num_experts, 4 * num_ranks):
-        _poison_allocator(max(num_bytes, 1), count=4)
+        poison_allocator(max(num_bytes, 1), count=4, value=0x5A)
     actual = _C.get_dispatch_layout(second, num_experts, num_ranks, NUM_RANKS_PER_NODE)
     assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
 

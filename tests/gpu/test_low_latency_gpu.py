@@ -21,6 +21,7 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
+from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -38,6 +39,7 @@ WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",
 # (max_tokens, hidden, experts per rank, top-k): the decode shape, a small one, and a hidden that is a multiple
 # of 128 but not of 256 (the FP8 cast's second half-warp idles) nor of 512 (no UE8M0).
 SHAPES = [(128, 7168, None, 8), (32, 2048, 4, 4), (16, 640, 3, 3)]
+POISON_BYTES = 256 << 20
 SEEDS = [int(s) for s in os.environ.get("EP_LL_TEST_SEEDS", "1,2").split(",")]
 TIMEOUT_S = float(os.environ.get("EP_LL_TEST_TIMEOUT_S", "20"))  # kernel waits: a lost signal fails fast
 
@@ -97,12 +99,6 @@ def _case(seed: int, world: int, max_tokens: int, hidden: int, per_rank, topk: i
     )
 
 
-def _poison(device) -> None:
-    # Freed blocks of torch's pool come back full of 0x7F bytes (NaN in bf16, 448 in e4m3).
-    junk = torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device=device)
-    del junk
-
-
 def _expert_outputs(seed: int, rank: int, shape, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 7 + rank)
     return (torch.randn(shape, generator=g) * 2).to(torch.bfloat16).to(device)
@@ -158,7 +154,7 @@ def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
                 tag = f"rank {rank} seed {seed} shape {(max_tokens, hidden, E, topk)} {mode}"
                 hooked = (seed + mode_index) % 2 == 1
                 _log(tag, "hooked" if hooked else "one-shot")
-                _poison(device)
+                poison_allocator(POISON_BYTES, device)
                 out_c = cuda.low_latency_dispatch(
                     x, topk_idx, max_tokens, E, return_recv_hook=hooked, cumulative_local_expert_recv_stats=stats_c,
                     **mode,
@@ -252,7 +248,7 @@ def _graph_worker(rank: int, world: int, seeds) -> list:
         g_data, g_count, g_out = step(static_x, static_idx, static_w, cuda, True)
     for seed in seeds:
         x, idx, w = load(seed)
-        _poison(device)
+        poison_allocator(POISON_BYTES, device)
         graph.replay()
         torch.cuda.synchronize()
         data_r, count_r, out_r = step(x, idx, w, ref, False)
