@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from ep_dispatcher import Buffer  # noqa: E402
 from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_intranode import copy_bandwidth_gbps  # noqa: E402
+from bench_intranode import _time_calls, copy_bandwidth_gbps  # noqa: E402
 
 PUBLISHED_US = {"pplx 8xH100": (83.6, 102.3), "DeepEP CX7": (43.0, 72.0)}  # (dispatch, combine) at 128 tokens
 
@@ -44,19 +44,7 @@ def _events(n: int):
 
 def _median_us(fn: Callable[[], None], calls: int, groups: int) -> float:
     """Median over ``groups`` of the mean time (µs) of ``calls`` back-to-back ``fn()``."""
-    fn()
-    torch.cuda.synchronize()
-    per_call: List[float] = []
-    for _ in range(groups):
-        dist.barrier()
-        start, end = _events(2)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(per_call)
+    return _time_calls(fn, calls, groups) * 1e6
 
 
 def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, device):
