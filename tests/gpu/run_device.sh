@@ -29,6 +29,14 @@ bench() {
     stop_mps
 }
 
+# pytest on GPU test files in a fresh MPS session: gpu_tests LOG TIMEOUT FILE...; a failure sets rc.
+gpu_tests() {
+    start_mps
+    timeout "$2" python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | tee "$OUT/$1" | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    stop_mps
+}
+
 rc=0
 for phase in $PHASES; do
     phase_start "$phase"
@@ -41,19 +49,11 @@ for phase in $PHASES; do
         python3 -c 'import ep_dispatcher._C as C; print("nvshmem", C.has_nvshmem(), C.cuda_arch_list())'
         ;;
     tests)
-        start_mps
-        timeout ${EP_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layout_gpu.py \
-            tests/gpu/test_intranode_gpu.py tests/gpu/test_dbo_gpu.py tests/test_extension_import.py 2>&1 \
-            | tee "$OUT/gpu_tests.log" | tail -30
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-        stop_mps
+        gpu_tests gpu_tests.log "${EP_TESTS_TIMEOUT:-420}" tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py \
+            tests/gpu/test_dbo_gpu.py tests/test_extension_import.py
         ;;
     ll)
-        start_mps
-        timeout ${EP_LL_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_low_latency_gpu.py 2>&1 \
-            | tee "$OUT/ll_tests.log" | tail -30
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-        stop_mps
+        gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py
         ;;
     bench)
         bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
@@ -70,11 +70,7 @@ for phase in $PHASES; do
         ;;
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
-        start_mps
-        timeout ${EP_INTERNODE_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_internode_gpu.py 2>&1 \
-            | tee "$OUT/internode_tests.log" | tail -30
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-        stop_mps
+        gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
         bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
             --profile --out "$OUT/bench_internode_2x4.json"
         bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
@@ -82,10 +78,7 @@ for phase in $PHASES; do
         ;;
     timeout)
         # Last: the timeout test traps a kernel on purpose.
-        start_mps
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_timeout_gpu.py 2>&1 | tee "$OUT/timeout_test.log" | tail -5
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-        stop_mps
+        gpu_tests timeout_test.log 300 tests/gpu/test_timeout_gpu.py
         ;;
     *) echo "unknown phase $phase"; rc=1 ;;
     esac
