@@ -8,6 +8,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/sync.cuh"
+#include "kernels/vec.cuh"
 
 namespace ep::internode {
 namespace {
@@ -312,21 +313,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
 }
 
 // ------------------------------------------------------------------ combine
-template <typename T>
-struct Vec;
-template <>
-struct Vec<__nv_bfloat16> {
-    static constexpr int kElems = 8;  // one 16-byte vector
-    __device__ static float get(const int4& v, int i) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&v)[i]); }
-    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<__nv_bfloat16*>(&v)[i] = __float2bfloat16_rn(f); }
-};
-template <>
-struct Vec<float> {
-    static constexpr int kElems = 4;
-    __device__ static float get(const int4& v, int i) { return reinterpret_cast<const float*>(&v)[i]; }
-    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<float*>(&v)[i] = f; }
-};
-
 // Rows of this rank's combine area (on forwarder f) that come from node rank `d_local` for source `s`:
 // forwarder f = (node, l) lays them out by destination local rank ascending, then source node ascending, then
 // the order the destination received them (source token order).

@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "intranode.cuh"
 #include "sync.cuh"
+#include "vec.cuh"
 
 namespace ep::intranode {
 namespace {
@@ -232,21 +233,6 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
                 topk_weights[static_cast<int64_t>(row) * num_topk + lane];
     }
 }
-
-template <typename T>
-struct Vec;
-template <>
-struct Vec<__nv_bfloat16> {
-    static constexpr int kElems = 8;  // one 16-byte vector
-    __device__ static float get(const int4& v, int i) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&v)[i]); }
-    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<__nv_bfloat16*>(&v)[i] = __float2bfloat16_rn(f); }
-};
-template <>
-struct Vec<float> {
-    static constexpr int kElems = 4;
-    __device__ static float get(const int4& v, int i) { return reinterpret_cast<const float*>(&v)[i]; }
-    __device__ static void set(int4& v, int i, float f) { reinterpret_cast<float*>(&v)[i] = f; }
-};
 
 template <typename T>
 __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char* data, CombineRegions regions, int rank, int num_ranks,
