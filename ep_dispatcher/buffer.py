@@ -22,7 +22,6 @@ from .overlap import EventOverlap
 from .validation import (
     check_int,
     check_tensor,
-    check_topk_idx_distinct,
     check_topk_idx_range,
     is_capturing,
     split_fp8,
@@ -223,12 +222,14 @@ class Buffer:
             )
         return num_experts
 
-    def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, device) -> torch.Tensor:
+    def _check_topk_idx(
+        self, topk_idx, num_tokens: Optional[int], num_experts: int, device, distinct: bool = False
+    ) -> torch.Tensor:
         check_tensor("topk_idx", topk_idx, dtypes=torch.int64, shape=(num_tokens, None), device=device)
         if topk_idx.size(1) > NUM_MAX_TOPK or topk_idx.size(1) < 1:
             raise ValueError(f"topk_idx: expected 1 <= num_topk <= {NUM_MAX_TOPK}, got num_topk={topk_idx.size(1)}")
         if self.validate_inputs:
-            check_topk_idx_range(topk_idx, num_experts)
+            check_topk_idx_range(topk_idx, num_experts, distinct=distinct)
         return topk_idx
 
     def _check_handle(self, handle, kind: type):
@@ -661,9 +662,7 @@ class Buffer:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
             )
-        self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device)
-        if self.validate_inputs:
-            check_topk_idx_distinct(topk_idx)
+        self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device, distinct=True)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (UE8M0 stores power-of-two scales only)")
         if use_ue8m0 and hidden % 512 != 0:

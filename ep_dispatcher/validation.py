@@ -56,23 +56,23 @@ def is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Entries must be in ``[-1, num_experts)``; costs one host sync on a GPU (skipped under graph capture)."""
+def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int, distinct: bool = False) -> None:
+    """Entries must be in ``[-1, num_experts)`` and, with ``distinct``, no token may list an expert twice
+    (low-latency slots hold one entry per token and expert; -1 may repeat). One host sync on a GPU for all of it
+    (skipped under graph capture)."""
     if topk_idx.numel() == 0 or is_capturing():
         return
-    lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host sync for both bounds
+    facts = list(torch.aminmax(topk_idx))
+    check_repeats = distinct and topk_idx.size(1) > 1
+    if check_repeats:
+        ordered = topk_idx.sort(dim=1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        facts.append(repeated.any().to(topk_idx.dtype))
+    values = torch.stack(facts).tolist()  # the one host sync
+    lo, hi = values[0], values[1]
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"topk_idx: expected entries in [-1, {num_experts}) (-1 = no expert), got min {lo}, max {hi}")
-
-
-def check_topk_idx_distinct(topk_idx: torch.Tensor) -> None:
-    """No token may list an expert twice (low-latency slots hold one entry per token and expert); one host sync
-    on a GPU, skipped under graph capture."""
-    if topk_idx.size(0) == 0 or topk_idx.size(1) < 2 or is_capturing():
-        return
-    ordered = topk_idx.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(repeated.any().item()):
+    if check_repeats and values[2]:
         token = int(repeated.any(dim=1).nonzero()[0, 0])
         raise ValueError(
             f"topk_idx: token {token} lists an expert more than once ({topk_idx[token].tolist()}); "
