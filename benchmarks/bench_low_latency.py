@@ -5,10 +5,13 @@
 
 Shape (DESIGN.md section 6): hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine. For each token count
 the table shows, per call (median over --groups groups of --calls back-to-back calls, CUDA events):
-  - one-shot dispatch and combine (send + receive in one call), eager;
+  - one-shot dispatch and combine (send + receive in one call), eager, alternating as in a decode step, each timed
+    by CUDA events around it (the wait for the slowest peer is part of the call's time);
   - the same pair replayed from a CUDA graph (no launch cost): eager - graph is the launch/host overhead;
   - with return_recv_hook=True, the send phase and the receive phase separately (the receive is timed after a
     spin of --gap-us on the GPU, so that it measures the receive kernel, not the wait for the slowest peer).
+Inputs are not validated (validate_inputs=False: the topk_idx range check costs one host sync per dispatch) unless
+--validate-inputs is given.
 Bytes in the field's accounting: dispatch = valid (token, expert) entries sent by the rank x (hidden FP8 bytes +
 hidden/128 fp32 scales); combine = the same entries x hidden BF16 bytes. The limit on one GPU is the device-to-device
 copy bandwidth measured in the same run, and "copy" is the time that copy bandwidth would need for the call's bytes
@@ -45,6 +48,27 @@ def _events(n: int):
 def _median_us(fn: Callable[[], None], calls: int, groups: int) -> float:
     """Median over ``groups`` of the mean time (µs) of ``calls`` back-to-back ``fn()``."""
     return _time_calls(fn, calls, groups) * 1e6
+
+
+def _alternating_us(first: Callable[[], None], second: Callable[[], None], calls: int, groups: int):
+    """µs per call of ``first`` and of ``second`` run alternately: medians over groups of the mean event-timed call."""
+    first(), second()
+    torch.cuda.synchronize()
+    per_group = []
+    for _ in range(groups):
+        dist.barrier()
+        ev = _events(2 * calls + 1)
+        ev[0].record()
+        for i in range(calls):
+            first()
+            ev[2 * i + 1].record()
+            second()
+            ev[2 * i + 2].record()
+        ev[-1].synchronize()
+        a = sum(ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(calls)) / calls
+        b = sum(ev[2 * i + 1].elapsed_time(ev[2 * i + 2]) for i in range(calls)) / calls
+        per_group.append((a * 1e3, b * 1e3))
+    return statistics.median(g[0] for g in per_group), statistics.median(g[1] for g in per_group)
 
 
 def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, device):
@@ -101,7 +125,12 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     hidden, experts, topk = args.hidden, args.experts, args.topk
     num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
     buffer = Buffer(
-        None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", timeout_s=args.kernel_timeout_s
+        None,
+        low_latency_mode=True,
+        num_rdma_bytes=num_rdma_bytes,
+        backend="cuda",
+        timeout_s=args.kernel_timeout_s,
+        validate_inputs=args.validate_inputs,
     )
     if "low_latency_dispatch" not in buffer.engine_calls:
         raise SystemExit("the CUDA engine has no low-latency kernels here (built without NVSHMEM?)")
@@ -127,9 +156,8 @@ def _rank_main(rank: int, world: int, args) -> Dict:
             dispatch()
             combine()
 
-        dispatch_us = _median_us(dispatch, args.calls, args.groups)  # dispatches alone, back to back
-        pair_us = _median_us(pair, args.calls, args.groups)
-        combine_us = pair_us - dispatch_us
+        dispatch_us, combine_us = _alternating_us(dispatch, combine, args.calls, args.groups)
+        pair_us = dispatch_us + combine_us
 
         # The same pair from a CUDA graph: per-pair time without launch and Python cost.
         pair()
@@ -166,7 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--groups", type=int, default=10)
-    parser.add_argument("--gap-us", type=float, default=50.0)
+    parser.add_argument("--gap-us", type=float, default=1000.0, help="GPU spin before a timed receive phase")
+    parser.add_argument("--validate-inputs", action="store_true", help="check topk_idx on every call (a host sync)")
     parser.add_argument("--kernel-timeout-s", type=float, default=30.0, help="a lost signal fails the run this fast")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
-# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode timeout (default: all, in order)
+# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
+#   (default: all, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench, each also a phase.
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
@@ -9,7 +10,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo  # one
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
-PHASES=${*:-build tests ll bench internode timeout}
+PHASES=${*:-build tests ll bench internode internode_bench timeout}
 # Packages carried from the workstation (tests/gpu/prepare_carry.sh: megatron-core for the Megatron step benchmark).
 [ -d .device_carry/site ] && export PYTHONPATH="$PWD/.device_carry/site${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -37,6 +38,31 @@ gpu_tests() {
     stop_mps
 }
 
+# The benchmarks, one function each (phase names ll_bench ... internode_bench; "bench" runs the first four).
+ll_bench() {
+    bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
+}
+intranode_bench() {
+    bench 150 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
+        --tune-sms 8,12,16,24 --out "$OUT/bench_intranode_16sms.json"
+    cp configs/*.json "$OUT/" 2>/dev/null  # the tuned table (configs/<gpu>.json) comes back with the logs
+    bench 60 benchmarks/bench_intranode.py --ranks 1 --num-sms 24 --sweep 4096 --calls 5 --groups 3 \
+        --out "$OUT/bench_intranode_ep1.json"
+}
+dbo_bench() {
+    bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json"
+}
+megatron_bench() {
+    bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
+        --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
+}
+internode_bench() {
+    bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
+        --profile --out "$OUT/bench_internode_2x4.json"
+    bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
+        --out "$OUT/bench_internode_4x2.json"
+}
+
 rc=0
 for phase in $PHASES; do
     phase_start "$phase"
@@ -55,26 +81,11 @@ for phase in $PHASES; do
     ll)
         gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py
         ;;
-    bench)
-        bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
-        bench 150 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \
-            --tune-sms 8,12,16,24 --out "$OUT/bench_intranode_16sms.json"
-        cp configs/*.json "$OUT/" 2>/dev/null  # the tuned table (configs/<gpu>.json) comes back with the logs
-        [ "${EP_BENCH_8SMS:-1}" = 1 ] && bench 100 benchmarks/bench_intranode.py --ranks 8 --num-sms 8 --sweep 4096 --calls 5 \
-            --groups 3 --out "$OUT/bench_intranode_8sms.json"
-        bench 60 benchmarks/bench_intranode.py --ranks 1 --num-sms 24 --sweep 4096 --calls 5 --groups 3 \
-            --out "$OUT/bench_intranode_ep1.json"
-        bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json"
-        bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
-            --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
-        ;;
+    bench) for sub in ll_bench intranode_bench dbo_bench megatron_bench; do "$sub"; done ;;
+    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench) "$phase" ;;
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
         gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
-        bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
-            --profile --out "$OUT/bench_internode_2x4.json"
-        bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
-            --out "$OUT/bench_internode_4x2.json"
         ;;
     timeout)
         # Last: the timeout test traps a kernel on purpose.
