@@ -39,8 +39,10 @@ gpu_tests() {
 }
 
 # The benchmarks, one function each (phase names ll_bench ... internode_bench; "bench" runs the first four).
-ll_bench() {
-    bench 150 benchmarks/bench_low_latency.py --ranks 8 --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll.json"
+ll_bench() {  # EP_LL_RANKS="1 8": also one rank alone (no peers, no MPS sharing) to separate kernel cost from skew
+    for r in ${EP_LL_RANKS:-8}; do
+        bench 150 benchmarks/bench_low_latency.py --ranks "$r" --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll_$r.json"
+    done
 }
 intranode_bench() {
     bench 150 benchmarks/bench_intranode.py --ranks 8 --num-sms 16 --sweep ${EP_BENCH_SWEEP:-4096} --calls 5 --groups 3 \

@@ -41,6 +41,7 @@ MAX_TOKENS = 512  # >= tokens any rank passes in these tests (random cases have 
 MAX_HIDDEN_BYTES = 7168 * 4  # fp32 combine of hidden 7168
 NUM_SMS = 8  # per rank: 8 ranks x 8 blocks per kernel stay far below the 132 SMs of an H200
 POISON_BYTES = 64 << 20
+KERNEL_TIMEOUT_S = float(os.environ.get("EP_GPU_KERNEL_TIMEOUT_S", "60"))  # a lost signal fails a test this fast
 
 
 def _setup(rank: int, per_node: int) -> torch.device:
@@ -54,7 +55,7 @@ def _setup(rank: int, per_node: int) -> torch.device:
 
 def _buffers(world: int, per_node: int):
     rdma = Config().get_rdma_buffer_size_hint(MAX_HIDDEN_BYTES, world, per_node, num_max_tokens_per_rank=MAX_TOKENS)
-    cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=rdma, backend="cuda", timeout_s=60)
+    cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=rdma, backend="cuda", timeout_s=KERNEL_TIMEOUT_S)
     ref = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="reference")
     assert cuda.is_internode and cuda.num_ranks_per_node == per_node
     assert {"dispatch", "cached_dispatch", "combine"} <= set(cuda.engine_calls), cuda.engine_calls
