@@ -94,7 +94,7 @@ def _rank_device(rank: int, args) -> torch.device:
 def _buffer_info() -> dict:
     from ep_dispatcher.megatron import buffer_cache
 
-    buffers = list(buffer_cache._buffers.values())  # the Buffer the "deepep" layers used (one per group)
+    buffers = list(buffer_cache.cache.buffers.values())  # the Buffer the "deepep" layers used (one per group)
     if not buffers:
         return {"backend": None, "engine_calls": []}
     return {"backend": buffers[0].backend, "engine_calls": list(buffers[0].engine_calls)}

@@ -82,14 +82,30 @@ class Config:
     def num_channels(self) -> int:
         return self.num_sms // 2
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVLink buffer a rank needs for this config: ``hidden_bytes = hidden * max(element_size, 2)``."""
+    def get_nvl_buffer_size_hint(
+        self, hidden_bytes: int, num_ranks: int, num_max_tokens_per_rank: Optional[int] = None
+    ) -> int:
+        """Bytes of NVLink buffer a rank needs for this config: ``hidden_bytes = hidden * max(element_size, 2)``.
+
+        Without ``num_max_tokens_per_rank`` this is the ring-queue size of the DeepEP-compatible contract (what the
+        ``Buffer`` checks). The CUDA intranode engine receives every row straight into the buffer, so it needs room
+        for all rows a rank can receive: pass ``num_max_tokens_per_rank`` (the most tokens any rank passes to one
+        call) to get a size that also holds the worst case, every rank's tokens routed to one rank.
+        """
         _check_hint_args(hidden_bytes, num_ranks)
         nvl_peers = min(num_ranks, DEFAULT_RANKS_PER_NODE)
         ring = self.num_channels * nvl_peers * self.num_max_nvl_chunked_recv_tokens * per_token_bytes(hidden_bytes)
         counters = self.num_channels * nvl_peers * 4 * 4  # head, tail, start, end (int32) per (channel, peer)
         prefix_matrices = num_ranks * num_ranks * 4 + 2 * num_ranks * self.num_channels * 4
-        return _align(ring) + _align(counters) + _align(prefix_matrices)
+        ring_hint = _align(ring) + _align(counters) + _align(prefix_matrices)
+        if num_max_tokens_per_rank is None:
+            return ring_hint
+        tokens = num_max_tokens_per_rank
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"num_max_tokens_per_rank: expected a non-negative int, got {tokens!r}")
+        # The engine's regions (x, scales, top-k ids, weights, source index), each padded to BUFFER_ALIGNMENT.
+        engine = _align(nvl_peers * tokens * per_token_bytes(hidden_bytes)) + 8 * BUFFER_ALIGNMENT
+        return max(ring_hint, engine)
 
     def get_rdma_buffer_size_hint(
         self,

@@ -28,8 +28,7 @@ non-expert part (``groups.mpu`` with tensor-parallel size > 1), where DeepSpeed 
 
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,43 +44,21 @@ except ImportError as e:  # pragma: no cover - exercised only without deepspeed
     raise ImportError(f"ep_dispatcher.deepspeed needs DeepSpeed (pip install deepspeed): {e}") from e
 
 from . import autograd as ep_autograd
-from .buffer import Buffer
+from .buffer_cache import BufferCache
 
 __all__ = ["EPMOELayer", "MoE", "clear_buffers", "patch", "set_backend", "unpatch"]
 
-_BACKEND_ENV = "EP_DISPATCHER_DEEPSPEED_BACKEND"  # "auto" | "cuda" | "reference"
-_backend_override: Optional[str] = None
-_buffers: Dict[int, Buffer] = {}
+_buffers = BufferCache("EP_DISPATCHER_DEEPSPEED_BACKEND")  # one Buffer per EP group; env: "auto" | "cuda" | "reference"
 
 
 def set_backend(backend: Optional[str]) -> None:
-    """Backend of the buffers created from now on (``None`` = env ``EP_DISPATCHER_DEEPSPEED_BACKEND`` or ``"auto"``)."""
-    global _backend_override
-    _backend_override = backend
+    """Backend of buffers created from now on (``None`` = env ``EP_DISPATCHER_DEEPSPEED_BACKEND`` or ``"auto"``)."""
+    _buffers.backend_override = backend
 
 
 def clear_buffers() -> None:
     """Forget the cached buffers (e.g. before destroying the process groups)."""
     _buffers.clear()
-
-
-def _get_buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Buffer:
-    """One ``Buffer`` per expert-parallel group shared by all layers; re-created larger when a wider row shows up.
-
-    Collective over ``group`` when it creates a buffer (every rank runs the same layers in the same order).
-    """
-    num_ranks = dist.get_world_size(group)
-    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
-    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
-    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
-    buffer = _buffers.get(id(group))
-    if buffer is None or buffer.group is not group or buffer.num_nvl_bytes < nvl or buffer.num_rdma_bytes < rdma:
-        if buffer is not None and buffer.group is group:
-            nvl, rdma = max(nvl, buffer.num_nvl_bytes), max(rdma, buffer.num_rdma_bytes)
-        backend = _backend_override or os.environ.get(_BACKEND_ENV, "auto")
-        buffer = Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend=backend)
-        _buffers[id(group)] = buffer
-    return buffer
 
 
 def _expert_output(expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -171,7 +148,8 @@ class EPMOELayer(_DeepSpeedMOELayer):
             recv_x, recv_topk_idx, recv_topk_weights = reshaped_input, topk_idx, topk_weights
             counts = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).tolist()
         else:
-            buffer = _get_buffer(self.ep_group, d_model * max(reshaped_input.element_size(), 2))
+            row_bytes = d_model * max(reshaped_input.element_size(), 2)
+            buffer = _buffers.get(self.ep_group, row_bytes, reshaped_input.size(0))
             recv_x, recv_topk_idx, recv_topk_weights, counts, handle = ep_autograd.dispatch(
                 buffer, reshaped_input.contiguous(), topk_idx, topk_weights, num_experts
             )

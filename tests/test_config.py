@@ -91,3 +91,40 @@ def test_low_latency_hint_matches_the_kernels_layout(max_tokens, hidden, ranks, 
 
     expected = _C.low_latency_layout_bytes(ranks, experts, max_tokens, hidden)
     assert Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, experts) == expected
+
+
+def test_nvl_hint_with_tokens_holds_every_row_a_rank_can_receive():
+    from ep_dispatcher.config import Config, FP8_GROUP_SIZE
+
+    cfg = Config()
+    hidden, ranks, tokens, topk = 7168, 8, 4096, 8
+    ring = cfg.get_nvl_buffer_size_hint(hidden * 2, ranks)
+    sized = cfg.get_nvl_buffer_size_hint(hidden * 2, ranks, num_max_tokens_per_rank=tokens)
+    # The intranode engine's dispatch row: BF16 payload, FP8 scales, top-k ids (int64) and weights (fp32), source.
+    row = hidden * 2 + hidden // FP8_GROUP_SIZE * 4 + topk * 12 + 4
+    assert sized >= ranks * tokens * row > ring
+    assert cfg.get_nvl_buffer_size_hint(hidden * 2, ranks, num_max_tokens_per_rank=0) == ring
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
+        cfg.get_nvl_buffer_size_hint(hidden * 2, ranks, num_max_tokens_per_rank=-1)
+
+
+def _buffer_cache_worker(rank: int, world: int) -> None:
+    from ep_dispatcher.buffer_cache import BufferCache
+
+    cache = BufferCache("EP_TEST_UNUSED_BACKEND_ENV")
+    cache.backend_override = "reference"
+    small = cache.get(None, 256, 100)
+    assert cache.get(None, 256, 1000) is small  # same rounded token count: no new buffer
+    large = cache.get(None, 256, 3000)
+    assert large is not small and large.num_nvl_bytes > small.num_nvl_bytes
+    assert cache.get(None, 128, 10) is large  # a smaller request reuses the larger buffer
+    cache.clear()
+    assert not cache.buffers
+
+
+def test_buffer_cache_rounds_tokens_and_grows():
+    from ep_dispatcher.buffer_cache import rounded_tokens
+    from tests.dist import run
+
+    assert [rounded_tokens(n) for n in (0, 1, 1024, 1025, 5000)] == [1024, 1024, 1024, 2048, 8192]
+    run(_buffer_cache_worker, 2)

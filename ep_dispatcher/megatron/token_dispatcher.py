@@ -149,7 +149,7 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         hidden_bytes = hidden_states.size(1) * max(hidden_states.element_size(), 2)
-        buffer = buffer_cache.get_buffer(self.comm_group, hidden_bytes)
+        buffer = buffer_cache.get_buffer(self.comm_group, hidden_bytes, hidden_states.size(0))
         recv_x, recv_indices, recv_probs, counts, handle = ep_autograd.dispatch(
             buffer, hidden_states.contiguous(), self.token_indices, probs, self.num_comm_experts
         )
