@@ -8,8 +8,11 @@ the table shows, per call (median over --groups groups of --calls back-to-back c
   - one-shot dispatch and combine (send + receive in one call), eager, alternating as in a decode step, each timed
     by CUDA events around it (the wait for the slowest peer is part of the call's time);
   - the same pair replayed from a CUDA graph (no launch cost): eager - graph is the launch/host overhead;
-  - with return_recv_hook=True, the send phase and the receive phase separately (the receive is timed after a
-    spin of --gap-us on the GPU, so that it measures the receive kernel, not the wait for the slowest peer).
+  - with return_recv_hook=True, the send phase and the receive phase separately, GPU time only: the GPU spins
+    --gap-us before the send (so the host has enqueued the phases when it starts) and again before each receive
+    (so that it measures the receive kernel, not the wait for the slowest peer).
+Eager calls are bound by host time when it exceeds the kernels' (Python, argument checks, launches): the graph
+column is the GPU time of the pair, and 1 - graph / eager is the share of launch and host overhead.
 Inputs are not validated (validate_inputs=False: the topk_idx range check costs one host sync per dispatch) unless
 --validate-inputs is given.
 Bytes in the field's accounting: dispatch = valid (token, expert) entries sent by the rank x (hidden FP8 bytes +
@@ -92,6 +95,8 @@ def _phases_us(buffer: Buffer, x, topk_idx, topk_weights, tokens: int, experts: 
     for _ in range(groups):
         dist.barrier()
         ev = _events(8)
+        # The GPU spins while the host enqueues everything below, so the events time GPU work, not Python.
+        torch.cuda._sleep(gap_cycles)
         ev[0].record()
         recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
             x, topk_idx, tokens, experts, use_fp8=True, return_recv_hook=True
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
     )
     header = (
         f"{'tokens':>6} {'dispatch':>9} {'combine':>8} {'graph d+c':>9} {'d send':>7} {'d recv':>7} {'c send':>7} "
-        f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14}"
+        f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14} {'host %':>6}"
     )
     print(header)
     summary = {}
@@ -228,7 +233,8 @@ def main(argv=None) -> int:
             f"{tokens:>6} {worst['dispatch_us']:>9.1f} {worst['combine_us']:>8.1f} {worst['graph_pair_us']:>9.1f} "
             f"{worst['dispatch_send']:>7.1f} {worst['dispatch_recv']:>7.1f} {worst['combine_send']:>7.1f} "
             f"{worst['combine_recv']:>7.1f} {rank_d_gbps:>9.1f} {rank_c_gbps:>9.1f} "
-            f"{d_bytes / (worst['dispatch_us'] * 1e3):>13.1f} {copy_limit_us:>14.1f}"
+            f"{d_bytes / (worst['dispatch_us'] * 1e3):>13.1f} {copy_limit_us:>14.1f} "
+            f"{100 * max(0.0, 1 - worst['graph_pair_us'] / worst['eager_pair_us']):>6.0f}"
         )
         summary[tokens] = dict(
             worst,

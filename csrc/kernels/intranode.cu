@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "intranode.cuh"
 #include "sync.cuh"
+#include "copy.cuh"
 #include "vec.cuh"
 
 namespace ep::intranode {
@@ -28,7 +29,7 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
     if (vec16) {
         auto* d = static_cast<int4*>(dst);
         const auto* s = static_cast<const int4*>(src);
-        for (int i = lane; i < bytes / 16; i += kWarpSize) d[i] = __ldg(s + i);
+        warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return __ldg(s + i); }, [&](int64_t i, const int4& v) { d[i] = v; });
     } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 3) == 0) {
         auto* d = static_cast<int*>(dst);
         const auto* s = static_cast<const int*>(src);
@@ -123,13 +124,15 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
         // Payload: read each 16-byte vector once, store it to every destination.
         const char* x_row = x + static_cast<int64_t>(t) * x_row_bytes;
         if ((x_row_bytes & 15) == 0) {
-            for (int i = lane; i < x_row_bytes / 16; i += kWarpSize) {
-                const int4 v = __ldg(reinterpret_cast<const int4*>(x_row) + i);
-                for (int j = 0; j < count; ++j) {
-                    char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                    reinterpret_cast<int4*>(dst)[i] = v;
-                }
-            }
+            const int4* src = reinterpret_cast<const int4*>(x_row);
+            warp_copy_batched(
+                x_row_bytes / 16, lane, [&](int64_t i) { return __ldg(src + i); },
+                [&](int64_t i, const int4& v) {
+                    for (int j = 0; j < count; ++j) {
+                        char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
+                        reinterpret_cast<int4*>(dst)[i] = v;
+                    }
+                });
         } else {
             for (int j = 0; j < count; ++j) {
                 char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
@@ -281,10 +284,19 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char
 #pragma unroll
                 for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
             }
-            for (int j = 0; j < count; ++j) {
-                const int4 v = reinterpret_cast<const int4*>(x_region + rows[warp][j] * row_bytes)[i];
+            // kSumBatch destinations' rows are loaded before they are summed (overlapping latencies), in rank order.
+            constexpr int kSumBatch = 8;
+            for (int j0 = 0; j0 < count; j0 += kSumBatch) {
+                int4 v[kSumBatch];
 #pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v, k));
+                for (int u = 0; u < kSumBatch; ++u)
+                    if (j0 + u < count) v[u] = reinterpret_cast<const int4*>(x_region + rows[warp][j0 + u] * row_bytes)[i];
+#pragma unroll
+                for (int u = 0; u < kSumBatch; ++u) {
+                    if (j0 + u >= count) break;
+#pragma unroll
+                    for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v[u], k));
+                }
             }
             int4 o;
 #pragma unroll

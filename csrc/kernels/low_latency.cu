@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "kernels/common.cuh"
+#include "kernels/copy.cuh"
 #include "kernels/sync.cuh"
 
 namespace ep::low_latency {
@@ -50,7 +51,7 @@ __device__ __forceinline__ void warp_copy_to_peer(const Half& h, uint8_t* dst, c
     if (peer != 0) {
         int4* out = reinterpret_cast<int4*>(peer + h.half_offset + (dst - h.local));
         const int4* in = reinterpret_cast<const int4*>(src);
-        for (int64_t i = lane; i < bytes / 16; i += kWarpSize) out[i] = load_nc(in + i);
+        warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return load_nc(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
         return;
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
@@ -147,43 +148,53 @@ __device__ void stage_token(const Layout& L, const __nv_bfloat16* row, uint8_t* 
     if constexpr (!kUseFP8) {
         const int4* in = reinterpret_cast<const int4*>(row);
         int4* out = reinterpret_cast<int4*>(payload);
-        for (int i = lane; i < H / 8; i += kWarpSize) out[i] = load_nc(in + i);
+        warp_copy_batched(H / 8, lane, [&](int64_t i) { return load_nc(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
     } else {
         float* scales = reinterpret_cast<float*>(payload + H);
-        // A half-warp covers one 128-channel group, 8 channels per lane: 256 channels per warp iteration.
-        for (int base = 0; base < H; base += 2 * kFp8GroupSize) {
-            const int channel = base + lane * 8;
-            const bool active = channel < H;
-            float v[8];
-            float amax = 0.f;
-            if (active) {
-                const int4 raw = load_nc(reinterpret_cast<const int4*>(row + channel));
-                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        // A half-warp covers one 128-channel group, 8 channels per lane: 256 channels per warp step; the loads of
+        // kCastBatch steps are issued before any is used (one memory latency per batch, not per step).
+        constexpr int kCastBatch = 4;
+        for (int batch = 0; batch < H; batch += kCastBatch * 2 * kFp8GroupSize) {
+            int4 raw[kCastBatch];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(pairs[j]);
-                    v[2 * j] = f.x;
-                    v[2 * j + 1] = f.y;
+            for (int u = 0; u < kCastBatch; ++u) {
+                const int channel = batch + u * 2 * kFp8GroupSize + lane * 8;
+                if (channel < H) raw[u] = load_nc(reinterpret_cast<const int4*>(row + channel));
+            }
+#pragma unroll
+            for (int u = 0; u < kCastBatch; ++u) {
+                const int channel = batch + u * 2 * kFp8GroupSize + lane * 8;
+                const bool active = channel < H;
+                float v[8];
+                float amax = 0.f;
+                if (active) {
+                    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float2 f = __bfloat1622float2(pairs[j]);
+                        v[2 * j] = f.x;
+                        v[2 * j + 1] = f.y;
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
                 }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-            }
+                for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+                if (!active) continue;
+                float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+                if (round_scale) scale = round_up_pow2(scale);
+                uint32_t packed[2];
 #pragma unroll
-            for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-            if (!active) continue;
-            float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-            if (round_scale) scale = round_up_pow2(scale);
-            uint32_t packed[2];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const __nv_fp8x2_storage_t lo =
-                    __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[4 * j], scale), __fdiv_rn(v[4 * j + 1], scale)), __NV_SATFINITE, __NV_E4M3);
-                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-                    make_float2(__fdiv_rn(v[4 * j + 2], scale), __fdiv_rn(v[4 * j + 3], scale)), __NV_SATFINITE, __NV_E4M3);
-                packed[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+                for (int j = 0; j < 2; ++j) {
+                    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+                        make_float2(__fdiv_rn(v[4 * j], scale), __fdiv_rn(v[4 * j + 1], scale)), __NV_SATFINITE, __NV_E4M3);
+                    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+                        make_float2(__fdiv_rn(v[4 * j + 2], scale), __fdiv_rn(v[4 * j + 3], scale)), __NV_SATFINITE, __NV_E4M3);
+                    packed[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+                }
+                *reinterpret_cast<uint2*>(payload + channel) = make_uint2(packed[0], packed[1]);
+                if ((lane & 15) == 0) scales[channel / kFp8GroupSize] = scale;
             }
-            *reinterpret_cast<uint2*>(payload + channel) = make_uint2(packed[0], packed[1]);
-            if ((lane & 15) == 0) scales[channel / kFp8GroupSize] = scale;
         }
     }
 }
@@ -211,24 +222,34 @@ __device__ void send_expert_tokens(const Layout& L, const Half& h, const int64_t
     const uint8_t* staged = h.local + L.send_offset();
     const int num_entries = num_tokens * num_topk;
     int count = 0;
-    for (int base = 0; base < num_entries; base += kWarpSize) {
-        const int entry = base + lane;
-        const bool match = entry < num_entries && topk_idx[entry] == expert;
-        unsigned ballot = __ballot_sync(kFullMask, match);
-        if (match) send_slot[entry] = count + __popc(ballot & ((1u << lane) - 1));
-        while (ballot != 0) {
-            const int token = (base + __ffs(ballot) - 1) / num_topk;
-            ballot &= ballot - 1;
-            if (count >= L.max_tokens) {  // only possible when a token lists the same expert twice
-                if (lane == 0)
-                    printf("ep_dispatcher: rank %d, low-latency dispatch: more than num_max_dispatch_tokens_per_rank = %d entries for "
-                           "expert %d (topk_idx repeats an expert within a token)\n",
-                           h.rank, L.max_tokens, expert);
-                asm volatile("trap;");
+    constexpr int kScanBatch = 4;  // topk_idx loads in flight per lane (the scan is latency-bound, not bandwidth-bound)
+    for (int batch = 0; batch < num_entries; batch += kScanBatch * kWarpSize) {
+        int64_t ids[kScanBatch];
+#pragma unroll
+        for (int u = 0; u < kScanBatch; ++u) {
+            const int entry = batch + u * kWarpSize + lane;
+            ids[u] = entry < num_entries ? __ldg(topk_idx + entry) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < kScanBatch; ++u) {
+            const int base = batch + u * kWarpSize;
+            const bool match = ids[u] == expert;
+            unsigned ballot = __ballot_sync(kFullMask, match);
+            if (match) send_slot[base + lane] = count + __popc(ballot & ((1u << lane) - 1));
+            while (ballot != 0) {
+                const int token = (base + __ffs(ballot) - 1) / num_topk;
+                ballot &= ballot - 1;
+                if (count >= L.max_tokens) {  // only possible when a token lists the same expert twice
+                    if (lane == 0)
+                        printf("ep_dispatcher: rank %d, low-latency dispatch: more than num_max_dispatch_tokens_per_rank = %d entries "
+                               "for expert %d (topk_idx repeats an expert within a token)\n",
+                               h.rank, L.max_tokens, expert);
+                    asm volatile("trap;");
+                }
+                warp_copy_to_peer(h, region + static_cast<int64_t>(count) * L.dispatch_msg_bytes, staged + token * L.dispatch_msg_bytes,
+                                  L.dispatch_msg_bytes, pe, lane);
+                ++count;
             }
-            warp_copy_to_peer(h, region + static_cast<int64_t>(count) * L.dispatch_msg_bytes, staged + token * L.dispatch_msg_bytes,
-                              L.dispatch_msg_bytes, pe, lane);
-            ++count;
         }
     }
     complete_warp_writes(h, pe);
@@ -294,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
             // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them during this kernel.
             const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
             int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
-            for (int i = lane; i < row_bytes / 16; i += kWarpSize) out[i] = __ldcg(in + i);
+            warp_copy_batched(row_bytes / 16, lane, [&](int64_t i) { return __ldcg(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
             if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
             if constexpr (kUseFP8) {
                 const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
@@ -339,8 +360,8 @@ __device__ void send_pair_outputs(const Layout& L, const Half& h, const __nv_bfl
         const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + row * row_bytes;
         if (!direct && !x_is_staged) {  // NVSHMEM puts read symmetric memory: stage the row first
             uint8_t* staged = staged_base + row * row_bytes;
-            for (int64_t j = lane; j < row_bytes / 16; j += kWarpSize)
-                reinterpret_cast<int4*>(staged)[j] = load_nc(reinterpret_cast<const int4*>(src) + j);
+            warp_copy_batched(row_bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
+                              [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
             __threadfence_system();
             __syncwarp();
             src = staged;
@@ -379,18 +400,34 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
          item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int t = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k = 0; k < num_topk; ++k) {
-            const int64_t e = topk_idx[t * num_topk + k];
-            if (e < 0) continue;
-            const float w = topk_weights[t * num_topk + k];
-            const int slot = send_slot[t * num_topk + k];
-            const int4 raw = __ldcg(reinterpret_cast<const int4*>(rows + (e * L.max_tokens + slot) * row_bytes + c * 16));
-            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        // The rows of kReduceBatch entries are loaded before any is summed (their latencies overlap); the sum
+        // still runs over k ascending.
+        constexpr int kReduceBatch = 4;
+        for (int k0 = 0; k0 < num_topk; k0 += kReduceBatch) {
+            int4 raw[kReduceBatch];
+            float w[kReduceBatch];
+            bool used[kReduceBatch];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 y = __bfloat1622float2(pairs[j]);
-                acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, y.x));
-                acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, y.y));
+            for (int u = 0; u < kReduceBatch; ++u) {
+                const int k = k0 + u;
+                const int64_t e = k < num_topk ? topk_idx[t * num_topk + k] : -1;
+                used[u] = e >= 0;
+                w[u] = 0.f;
+                if (!used[u]) continue;
+                w[u] = topk_weights[t * num_topk + k];
+                const int slot = send_slot[t * num_topk + k];
+                raw[u] = __ldcg(reinterpret_cast<const int4*>(rows + (e * L.max_tokens + slot) * row_bytes + c * 16));
+            }
+#pragma unroll
+            for (int u = 0; u < kReduceBatch; ++u) {
+                if (!used[u]) continue;
+                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 y = __bfloat1622float2(pairs[j]);
+                    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[u], y.x));
+                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[u], y.y));
+                }
             }
         }
         int4 result;
