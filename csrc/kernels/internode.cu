@@ -265,7 +265,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
             j = u - begin[n_s];
             const uint8_t* msg = c.local + L.rdma_recv_offset + (static_cast<int64_t>(n_s) * T + j) * L.msg_stride;
             x_row = msg;
-            scale_row = scales != nullptr ? msg + F.off_scales : nullptr;
+            // Not `scales != nullptr`: a forwarder with no tokens of its own has an empty (null) scales tensor,
+            // yet forwards other ranks' FP8 messages, scales included.
+            scale_row = F.scale_bytes > 0 ? msg + F.off_scales : nullptr;
             topk_row = reinterpret_cast<const int64_t*>(msg + F.off_topk);
             weight_row = reinterpret_cast<const float*>(msg + F.off_weights);
             src_token = *reinterpret_cast<const int*>(msg + F.off_src);

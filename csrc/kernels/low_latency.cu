@@ -16,10 +16,15 @@ namespace ep::low_latency {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kThreads = 512;  // 16 warps: one warp per token (cast), per expert (send) or per message (receive)
+constexpr int kThreads = 512;  // 16 warps: the receive kernels (a block per local expert, a warp per message) and the sum
 constexpr int kWarps = kThreads / kWarpSize;
+// The warp-per-item kernels (cast, send, combine send) run in small blocks: the same threads over 4x the SMs, so a
+// few hundred warps spread over the GPU instead of piling onto max_blocks SMs. Their grids stay within the thread
+// budget of max_blocks full blocks, so all ranks' kernels on one GPU remain co-resident.
+constexpr int kSmallThreads = 128;
+constexpr int kSmallWarps = kSmallThreads / kWarpSize;
+constexpr int kSmallPerFull = kThreads / kSmallThreads;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kMaxReceiveBlocks = 32;  // dispatch receive grid (one block per local expert up to this)
 
 // ------------------------------------------------------------------ signals
 __device__ __forceinline__ int4 load_nc(const int4* ptr) {
@@ -201,10 +206,10 @@ __device__ void stage_token(const Layout& L, const __nv_bfloat16* row, uint8_t* 
 
 // ------------------------------------------------------------------ dispatch
 template <bool kUseFP8>
-__global__ void __launch_bounds__(kThreads) stage_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, int num_tokens, bool round_scale) {
+__global__ void __launch_bounds__(kSmallThreads) stage_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, int num_tokens, bool round_scale) {
     const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
-    for (int t = warp; t < num_tokens; t += gridDim.x * kWarps)
+    const int warp = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize;
+    for (int t = warp; t < num_tokens; t += gridDim.x * kSmallWarps)
         stage_token<kUseFP8>(L, x + static_cast<int64_t>(t) * L.hidden, h.local + L.send_offset() + t * L.dispatch_msg_bytes, t,
                              round_scale, lane);
 }
@@ -260,10 +265,10 @@ __device__ void send_expert_tokens(const Layout& L, const Half& h, const int64_t
 }
 
 // Warps loop over experts: the grid may be smaller than one warp per expert (max_blocks, see low_latency.cuh).
-__global__ void __launch_bounds__(kThreads) send_tokens_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens, int num_topk,
+__global__ void __launch_bounds__(kSmallThreads) send_tokens_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens, int num_topk,
                                                                int* send_slot) {
     const int lane = threadIdx.x % kWarpSize;
-    for (int expert = blockIdx.x * kWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kWarps)
+    for (int expert = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kSmallWarps)
         send_expert_tokens(L, h, topk_idx, num_tokens, num_topk, send_slot, expert, lane);
 }
 
@@ -375,11 +380,11 @@ __device__ void send_pair_outputs(const Layout& L, const Half& h, const __nv_bfl
     }
 }
 
-__global__ void __launch_bounds__(kThreads) send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged,
+__global__ void __launch_bounds__(kSmallThreads) send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged,
                                                                 const int64_t* layout_range) {
     const int lane = threadIdx.x % kWarpSize;
     const int num_pairs = L.num_local_experts * L.num_ranks;
-    for (int pair = blockIdx.x * kWarps + threadIdx.x / kWarpSize; pair < num_pairs; pair += gridDim.x * kWarps)
+    for (int pair = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; pair < num_pairs; pair += gridDim.x * kSmallWarps)
         send_pair_outputs(L, h, x, x_is_staged, layout_range, pair, lane);
 }
 
@@ -464,21 +469,23 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
                    bool round_scale, int* send_slot, cudaStream_t stream) {
     if (num_tokens > 0) {
-        const int blocks = std::min(ceil_div(num_tokens, kWarps), h.max_blocks);
+        const int blocks = std::min(ceil_div(num_tokens, kSmallWarps), h.max_blocks * kSmallPerFull);
         const auto* xb = static_cast<const __nv_bfloat16*>(x);
-        if (use_fp8) stage_tokens_kernel<true><<<blocks, kThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
-        else stage_tokens_kernel<false><<<blocks, kThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
+        if (use_fp8) stage_tokens_kernel<true><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
+        else stage_tokens_kernel<false><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
         EP_CUDA_CHECK(cudaGetLastError());
     }
-    send_tokens_kernel<<<std::min(ceil_div(L.num_experts, kWarps), h.max_blocks), kThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot);
+    send_tokens_kernel<<<std::min(ceil_div(L.num_experts, kSmallWarps), h.max_blocks * kSmallPerFull), kSmallThreads, 0, stream>>>(
+        L, h, topk_idx, num_tokens, num_topk, send_slot);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
     const size_t shared = (L.num_ranks + 1) * sizeof(int);
-    // Capped: every block may spin on signals, and all ranks' blocks must stay co-resident when ranks share a GPU.
-    const dim3 grid(std::min({L.num_local_experts, kMaxReceiveBlocks, h.max_blocks}));
+    // One block per local expert, capped by max_blocks: every block may spin on signals, and all ranks' blocks must
+    // stay co-resident when ranks share a GPU.
+    const dim3 grid(std::min(L.num_local_experts, h.max_blocks));
     if (!use_fp8)
         receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
                                                                                  cumulative_stats);
@@ -493,7 +500,7 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, const int64_t* layout_range, cudaStream_t stream) {
     const int pairs = L.num_local_experts * L.num_ranks;
-    send_outputs_kernel<<<std::min(ceil_div(pairs, kWarps), h.max_blocks), kThreads, 0, stream>>>(L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
+    send_outputs_kernel<<<std::min(ceil_div(pairs, kSmallWarps), h.max_blocks * kSmallPerFull), kSmallThreads, 0, stream>>>(L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
                                                                            layout_range);
     EP_CUDA_CHECK(cudaGetLastError());
 }

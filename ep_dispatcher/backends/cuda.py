@@ -445,7 +445,7 @@ class CudaBackend(ReferenceBackend):
 
         def receive(out: torch.Tensor) -> None:
             self.ll.combine_recv(
-                half, topk_idx, topk_weights, state["send_slot"], max_tokens, num_experts, out, _COMBINE_RECV_BLOCKS
+                half, topk_idx, topk_weights, state["send_slot"], max_tokens, num_experts, out, self.ll.max_blocks
             )
 
         return receive
@@ -486,7 +486,6 @@ def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node:
     return send_pos, rdma_send_pos, in_rank_int.sum(0, dtype=torch.int32), in_node_int.sum(0, dtype=torch.int32)
 
 
-_COMBINE_RECV_BLOCKS = 16  # blocks of the combine's receive (sum) kernel; 8 ranks x 16 fit one H200 under MPS
 _NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric heap too
 
 
