@@ -3,10 +3,13 @@ of examples/dbo_decode.py, at several token counts per rank.
 
     python benchmarks/bench_dbo.py --device cpu --ranks 2 --hidden 256 --experts 16 --topk 4 --out /tmp/bench_dbo.json
     python benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out bench_dbo.json
+    python benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --graph   # CUDA-graph replays
 
 Per token count: the median wall-clock step (device synchronised at both ends, ranks aligned by a barrier) of the
 plain path (one micro-batch) and the overlapped one (two), taking the slowest rank; tokens/s over all ranks; the
 ratio plain / overlapped (> 1: DBO is faster); and the largest output difference, which must be exactly 0.
+With --graph each path's step is captured once in a CUDA graph and the replays are timed: GPU time without the
+Python and launch cost that bounds eager decode steps.
 Process group: NCCL with one GPU per rank; gloo on CPU and when several ranks share one GPU. Low-latency calls that
 have no CUDA kernel in this build run the reference path, which stages through host memory and syncs with the host:
 there the overlap has little to hide behind, and the header says which calls were kernels.
@@ -62,6 +65,7 @@ def _summarise(args, results: list[dict]) -> dict:
         "devices": sorted({r["per_tokens"][args.tokens[0]]["device"] for r in results}),
         "buffer_backend": r0["backend"],
         "engine_calls": results[0]["engine_calls"],
+        "timing": r0["timing"],  # "eager" or "graph" (--graph: CUDA-graph replays, no Python or launch cost)
         "per_tokens": {},
     }
     for tokens in args.tokens:
@@ -85,7 +89,8 @@ def _print(args, s: dict) -> None:
     print(
         f"bench_dbo: {args.ranks} ranks on {', '.join(s['devices'])} ({s['process_group']} process group), "
         f"{args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-{args.topk}, "
-        f"{'FP8' if args.fp8 else 'BF16'} dispatch"
+        f"{'FP8' if args.fp8 else 'BF16'} dispatch; steps timed "
+        f"{'as CUDA-graph replays (GPU time, no Python or launches)' if s['timing'] == 'graph' else 'eagerly'}"
     )
     print(f"  Buffer backend={s['buffer_backend']}, CUDA kernels for {s['engine_calls']} (other calls: reference path)")
     print(

@@ -156,6 +156,23 @@ def make_buffer(args, world: int, max_tokens: int) -> Buffer:
     )
 
 
+def _capture(scheduler: MicroBatchOverlap, parts: int, static_x: torch.Tensor):
+    """``(graph, output)``: one decode step of ``scheduler`` on ``static_x`` captured in a CUDA graph (after one eager
+    warm-up step, which every rank runs in the same order: the low-latency calls are collective)."""
+
+    def step() -> torch.Tensor:
+        states = [{"x": part} for part in torch.tensor_split(static_x, parts)]
+        scheduler.run(states)
+        return torch.cat([s["x"] for s in states])
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict:
     """Time ``args.steps`` decode steps both ways (after ``args.warmup``) on ``buffer`` (default: a new one sized
     for ``args.tokens``); returns the median step time per mode and the largest output difference."""
@@ -167,6 +184,12 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
     stages = build_stages(layers, buffer, args)
     plain = MicroBatchOverlap(stages, num_micro_batches=1)
     overlapped = MicroBatchOverlap(stages, num_micro_batches=args.micro_batches, stagger=args.stagger)
+    modes = (("plain", plain, 1), ("overlap", overlapped, args.micro_batches))
+    graphs = {}
+    if getattr(args, "graph", False):  # time replays: GPU work without Python and launch cost
+        for mode, scheduler, parts in modes:
+            static_x = torch.zeros((args.tokens, args.hidden), device=device, dtype=torch.bfloat16)
+            graphs[mode] = (static_x, *_capture(scheduler, parts, static_x))
 
     times: dict[str, list[float]] = {"plain": [], "overlap": []}
     max_diff = 0.0
@@ -174,16 +197,23 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
         g = torch.Generator().manual_seed(args.seed * 7919 + step * 131 + rank)
         x = torch.randn((args.tokens, args.hidden), generator=g).to(device=device, dtype=torch.bfloat16)
         outputs: dict[str, torch.Tensor | None] = {}
-        for mode, scheduler, parts in (("plain", plain, 1), ("overlap", overlapped, args.micro_batches)):
-            states = [{"x": part} for part in torch.tensor_split(x, parts)]
+        for mode, scheduler, parts in modes:
+            if graphs:
+                static_x, graph, static_out = graphs[mode]
+                static_x.copy_(x)
+            else:
+                states = [{"x": part} for part in torch.tensor_split(x, parts)]
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
-            scheduler.run(states)
+            if graphs:
+                graph.replay()
+            else:
+                scheduler.run(states)
             _sync(device)
             if step >= args.warmup:
                 times[mode].append(time.perf_counter() - t0)
-            outputs[mode] = torch.cat([s["x"] for s in states])
+            outputs[mode] = static_out.clone() if graphs else torch.cat([s["x"] for s in states])
         diff = (outputs["plain"].float() - outputs["overlap"].float()).abs().max().item()
         if not torch.equal(outputs["plain"], outputs["overlap"]) and not diff > 0:
             diff = float("inf")  # unequal yet no positive difference: a NaN somewhere
@@ -196,6 +226,7 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
         "backend": buffer.backend,
         "max_diff": max_diff,
         "step_s": median,
+        "timing": "graph" if graphs else "eager",
     }
 
 
@@ -214,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stagger", type=int, default=0)
     parser.add_argument("--no-fp8", dest="fp8", action="store_false", help="BF16 dispatch instead of FP8")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--graph", action="store_true", help="capture each path's step in a CUDA graph and time replays (needs CUDA)"
+    )
     parser.add_argument("--backend", default="auto", choices=("auto", "reference", "cuda"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument(
@@ -235,6 +269,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--topk ({args.topk}) must be in [1, --experts]")
     if args.tokens < args.micro_batches:
         parser.error(f"--tokens ({args.tokens}) must be at least --micro-batches ({args.micro_batches})")
+    if args.graph and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--graph needs a CUDA device (--device cuda or auto with a GPU): it captures CUDA graphs")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     if args.pg_backend == "nccl" and (args.device == "cpu" or torch.cuda.device_count() < args.ranks):
@@ -261,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"dbo_decode: {args.ranks} ranks ({r0['pg']}, backend={r0['backend']}, {r0['device']}), {args.layers} layers, "
         f"hidden {args.hidden}, {args.experts} experts top-{args.topk}, {args.tokens} tokens/rank, "
-        f"{'FP8' if args.fp8 else 'BF16'} dispatch"
+        f"{'FP8' if args.fp8 else 'BF16'} dispatch; steps timed {'as CUDA-graph replays' if args.graph else 'eagerly'}"
     )
     for mode, label in (
         ("plain", "plain (1 micro-batch)"),

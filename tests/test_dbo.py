@@ -411,3 +411,15 @@ def test_example_runs_and_checks_bit_exactness():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tokens/s" in proc.stdout and "plain (1 micro-batch)" in proc.stdout
     assert "max |overlap - plain| over all tokens: 0.000e+00 (must be exactly 0) -> OK" in proc.stdout
+
+
+def test_example_refuses_graph_timing_without_cuda(capsys):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import dbo_decode
+    finally:
+        sys.path.pop(0)
+    parser = dbo_decode.build_parser()
+    with pytest.raises(SystemExit):
+        dbo_decode.check_args(parser, parser.parse_args(["--graph", "--device", "cpu"]))
+    assert "--graph needs a CUDA device" in capsys.readouterr().err

@@ -51,18 +51,19 @@ intranode_bench() {
     bench 60 benchmarks/bench_intranode.py --ranks 1 --num-sms 24 --sweep 4096 --calls 5 --groups 3 \
         --out "$OUT/bench_intranode_ep1.json"
 }
-dbo_bench() {
+dbo_bench() {  # eager steps, then the same steps as CUDA-graph replays
     bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --out "$OUT/bench_dbo.json"
+    bench 120 benchmarks/bench_dbo.py --device cuda --ranks 4 --tokens 64,128,256 --graph --out "$OUT/bench_dbo_graph.json"
 }
 megatron_bench() {
     bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
         --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
 }
-internode_bench() {
-    bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 4 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
-        --profile --out "$OUT/bench_internode_2x4.json"
-    bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node 2 --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
-        --out "$OUT/bench_internode_4x2.json"
+internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then as 4 nodes x 2
+    for p in ${EP_INTERNODE_PER_NODE:-4 2}; do
+        bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node "$p" --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
+            $([ "$p" = 4 ] && echo --profile) --out "$OUT/bench_internode_8r_${p}pn.json"
+    done
 }
 
 rc=0

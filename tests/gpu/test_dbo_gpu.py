@@ -132,7 +132,8 @@ def test_cuda_graph_capture_replays_bit_exactly(setup):
         assert torch.equal(static_out, _run(plain, x))
 
 
-def test_example_runs_on_gpu():
+@pytest.mark.parametrize("timing", ["eager", "graph"])
+def test_example_runs_on_gpu(timing):
     proc = subprocess.run(
         [
             sys.executable,
@@ -145,7 +146,8 @@ def test_example_runs_on_gpu():
             "2",
             "--device",
             "cuda",
-        ],
+        ]
+        + (["--graph"] if timing == "graph" else []),
         capture_output=True,
         text=True,
         timeout=300,
@@ -154,6 +156,7 @@ def test_example_runs_on_gpu():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "cuda" in proc.stdout and "-> OK" in proc.stdout
+    assert ("CUDA-graph replays" in proc.stdout) == (timing == "graph"), proc.stdout
 
 
 def _load_example():
