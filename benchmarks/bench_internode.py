@@ -73,7 +73,6 @@ def _profile_kernels(step: Callable[[], object], calls: int) -> Dict[str, Dict[s
 
 def _rank_main(rank: int, world: int, args) -> Dict:
     os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = str(args.ranks_per_node)
-    os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"  # the engine is opt-in until verified on a GPU
     use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())

@@ -187,6 +187,11 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
     modes = (("plain", plain, 1), ("overlap", overlapped, args.micro_batches))
     graphs = {}
     if getattr(args, "graph", False):  # time replays: GPU work without Python and launch cost
+        if not {"low_latency_dispatch", "low_latency_combine"} <= set(buffer.engine_calls):
+            raise RuntimeError(
+                f"--graph: the low-latency calls have no CUDA kernels here (engine_calls={buffer.engine_calls}); the "
+                "reference path syncs with the host and cannot be captured"
+            )
         for mode, scheduler, parts in modes:
             static_x = torch.zeros((args.tokens, args.hidden), device=device, dtype=torch.bfloat16)
             graphs[mode] = (static_x, *_capture(scheduler, parts, static_x))

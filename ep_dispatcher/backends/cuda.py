@@ -490,9 +490,10 @@ _NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric 
 
 
 def internode_engine_enabled() -> bool:
-    """The internode kernels are opt-in (``EP_DISPATCHER_INTERNODE_ENGINE=1``) until they have passed the GPU tests;
-    without it a Buffer spanning nodes runs the reference implementation (same results, slower)."""
-    return os.environ.get("EP_DISPATCHER_INTERNODE_ENGINE", "0") == "1"
+    """The internode kernels run for a Buffer spanning nodes unless ``EP_DISPATCHER_INTERNODE_ENGINE=0``, which
+    selects the reference implementation instead (same results, slower; e.g. to rule the kernels out when
+    debugging). They passed the GPU tests on virtual nodes of one GPU (benchmarks/RESULTS.md, 2026-12-03)."""
+    return os.environ.get("EP_DISPATCHER_INTERNODE_ENGINE", "1") != "0"
 
 
 def ranks_sharing_this_gpu(group: dist.ProcessGroup) -> int:

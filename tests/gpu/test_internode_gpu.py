@@ -47,7 +47,6 @@ KERNEL_TIMEOUT_S = float(os.environ.get("EP_GPU_KERNEL_TIMEOUT_S", "60"))  # a l
 def _setup(rank: int, per_node: int) -> torch.device:
     os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = str(per_node)
     # One GPU, no NIC: P2P transport only, no NVLink multicast, bootstrap over loopback.
-    os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"  # opt-in until these tests have passed on a GPU
     use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())

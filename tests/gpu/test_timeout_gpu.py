@@ -73,7 +73,6 @@ _INTERNODE_SCRIPT = textwrap.dedent(
 
     def work(rank, world):
         os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = "2"
-        os.environ["EP_DISPATCHER_INTERNODE_ENGINE"] = "1"
         use_nvshmem_on_one_machine()
         torch.cuda.set_device(0)
         rdma = Config().get_rdma_buffer_size_hint(256, world, 2, num_max_tokens_per_rank=8)
