@@ -8,11 +8,13 @@ up. The Megatron and DeepSpeed plugins each keep one :class:`BufferCache`.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from .buffer import Buffer
+from .config import default_ranks_per_node, gpu_config_name, load_tuned_config
 
 MIN_TOKENS = 1024  # token counts are rounded up to a power of two from here, so a small change does not re-create
 
@@ -20,9 +22,20 @@ MIN_TOKENS = 1024  # token counts are rounded up to a power of two from here, so
 def required_bytes(hidden_bytes: int, num_ranks: int, num_tokens: int) -> Tuple[int, int]:
     """``(num_nvl_bytes, num_rdma_bytes)`` for dispatch and combine of up to ``num_tokens`` rows per rank of
     ``hidden_bytes`` (``hidden * max(element_size, 2)``), including the CUDA intranode engine's worst case."""
-    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+    # Asked on every layer's forward (~20 µs unmemoised): memoised on everything the sizes depend on (the tuned
+    # tables themselves are read once per process, see config._load_config_table).
+    key = (default_ranks_per_node(), Buffer.num_sms, gpu_config_name())
+    return _required_bytes(hidden_bytes, num_ranks, num_tokens, *key)
+
+
+@lru_cache(maxsize=None)
+def _required_bytes(
+    hidden_bytes: int, num_ranks: int, num_tokens: int, per_node: int, num_sms: int, gpu: str
+) -> Tuple[int, int]:
+    # `gpu` is only part of the key: load_tuned_config picks the same table from the current device.
+    configs = tuple(load_tuned_config(kind, num_ranks, num_sms) for kind in ("dispatch", "combine"))
     nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens) for c in configs)
-    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, None, num_tokens) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, per_node, num_tokens) for c in configs)
     return nvl, rdma
 
 

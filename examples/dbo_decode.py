@@ -156,20 +156,25 @@ def make_buffer(args, world: int, max_tokens: int) -> Buffer:
     )
 
 
+def _micro_batches(x: torch.Tensor, parts: int) -> list[dict]:
+    """The states of ``x`` split into ``parts`` micro-batches (views): what ``MicroBatchOverlap.run`` takes."""
+    return [{"x": part} for part in torch.tensor_split(x, parts)]
+
+
+def _output(states: list[dict]) -> torch.Tensor:
+    return torch.cat([s["x"] for s in states])
+
+
 def _capture(scheduler: MicroBatchOverlap, parts: int, static_x: torch.Tensor):
     """``(graph, output)``: one decode step of ``scheduler`` on ``static_x`` captured in a CUDA graph (after one eager
     warm-up step, which every rank runs in the same order: the low-latency calls are collective)."""
-
-    def step() -> torch.Tensor:
-        states = [{"x": part} for part in torch.tensor_split(static_x, parts)]
-        scheduler.run(states)
-        return torch.cat([s["x"] for s in states])
-
-    step()
+    scheduler.run(_micro_batches(static_x, parts))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step()
+        states = _micro_batches(static_x, parts)
+        scheduler.run(states)
+        out = _output(states)
     return graph, out
 
 
@@ -207,7 +212,7 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
                 static_x, graph, static_out = graphs[mode]
                 static_x.copy_(x)
             else:
-                states = [{"x": part} for part in torch.tensor_split(x, parts)]
+                states = _micro_batches(x, parts)
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
@@ -218,7 +223,7 @@ def rank_main(rank: int, world: int, args, buffer: Buffer | None = None) -> dict
             _sync(device)
             if step >= args.warmup:
                 times[mode].append(time.perf_counter() - t0)
-            outputs[mode] = static_out.clone() if graphs else torch.cat([s["x"] for s in states])
+            outputs[mode] = static_out.clone() if graphs else _output(states)
         diff = (outputs["plain"].float() - outputs["overlap"].float()).abs().max().item()
         if not torch.equal(outputs["plain"], outputs["overlap"]) and not diff > 0:
             diff = float("inf")  # unequal yet no positive difference: a NaN somewhere

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ep_dispatcher import Config
-from ep_dispatcher.config import DEFAULT_MAX_TOKENS_PER_RANK, internode_layout_bytes
+from ep_dispatcher.config import DEFAULT_MAX_TOKENS_PER_RANK, FP8_GROUP_SIZE, internode_layout_bytes
 
 SHAPES = [
     # (hidden_bytes, num_ranks, num_ranks_per_node, max_tokens)
@@ -94,8 +94,6 @@ def test_low_latency_hint_matches_the_kernels_layout(max_tokens, hidden, ranks, 
 
 
 def test_nvl_hint_with_tokens_holds_every_row_a_rank_can_receive():
-    from ep_dispatcher.config import Config, FP8_GROUP_SIZE
-
     cfg = Config()
     hidden, ranks, tokens, topk = 7168, 8, 4096, 8
     ring = cfg.get_nvl_buffer_size_hint(hidden * 2, ranks)
