@@ -6,11 +6,17 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <chrono>
 #include <optional>
+#include <sstream>
+#include <thread>
 #include <tuple>
+#include <vector>
 
 #include "binding_checks.h"
 #include "kernels/intranode.cuh"
+#include "kernels/stages.h"
 #include "runtime/ipc_buffer.h"
 
 namespace py = pybind11;
@@ -24,30 +30,13 @@ void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) 
     check_cuda_tensor(t, name, buffer.device());
 }
 
-std::tuple<at::Tensor, OptTensor> notify(IpcBuffer& buffer, const at::Tensor& num_tokens_per_rank, const OptTensor& num_tokens_per_expert,
-                                         int64_t num_experts, int64_t expert_alignment, int64_t timeout_ns) {
-    TORCH_CHECK(buffer.is_open(), "intranode_notify: peers are not mapped");
-    check_cuda(num_tokens_per_rank, "num_tokens_per_rank", buffer);
-    const c10::cuda::CUDAGuard guard(num_tokens_per_rank.device());
-    const int R = buffer.num_ranks();
-    auto options = num_tokens_per_rank.options().dtype(at::kInt);
-    at::Tensor count_matrix = at::empty({R, R}, options);
-    OptTensor recv_per_expert;
-    if (num_tokens_per_expert) {
-        check_cuda(*num_tokens_per_expert, "num_tokens_per_expert", buffer);
-        recv_per_expert = at::empty({num_experts / R}, options);
-    }
-    intranode::notify(buffer.peers(), buffer.rank(), R, buffer.epoch(), num_tokens_per_rank.data_ptr<int>(),
-                      num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
-                      static_cast<int>(expert_alignment), count_matrix.data_ptr<int>(),
-                      recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, timeout_ns, c10::cuda::getCurrentCUDAStream());
-    return {count_matrix, recv_per_expert};
-}
+using DispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor>;
 
-std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor> dispatch(
-    IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx, const OptTensor& topk_weights,
-    int64_t num_local_experts, const at::Tensor& is_token_in_rank, const at::Tensor& send_pos, const at::Tensor& count_matrix,
-    int64_t rows_out, int64_t num_sms, int64_t timeout_ns, bool sync_before) {
+// The data part of every dispatch (fresh or cached): rows straight to their final place, a barrier, the copy-out.
+DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
+                         const OptTensor& topk_weights, int64_t num_local_experts, const at::Tensor& is_token_in_rank,
+                         const at::Tensor& send_pos, const at::Tensor& count_matrix, int64_t rows_out, int64_t num_sms, int64_t timeout_ns,
+                         bool sync_before) {
     TORCH_CHECK(buffer.is_open(), "intranode_dispatch: peers are not mapped");
     for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&send_pos, "send_pos"},
                                   {&count_matrix, "count_matrix"}})
@@ -72,12 +61,12 @@ std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor> dispatch(
 
     // Everyone's previous use of its data area is over once all ranks pass this point (stream order). A fresh
     // dispatch skips it: its notify step already synchronised all ranks after their previous work.
-    if (sync_before) intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, 2, stream);
+    if (sync_before) intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, stream);
     intranode::dispatch(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
                         topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                         num_topk, static_cast<int>(num_local_experts), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                         count_matrix.data_ptr<int>(), num_tokens, regions, static_cast<int>(num_sms), stream);
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, 2, stream);
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, stream);
 
     at::Tensor recv_x = at::empty({rows_out, x.size(1)}, x.options());
     OptTensor recv_scales, recv_topk, recv_weights;
@@ -92,6 +81,124 @@ std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor> dispatch(
                         recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr, recv_weights ? recv_weights->data_ptr<float>() : nullptr,
                         num_topk, recv_src.data_ptr<int>(), static_cast<int>(num_sms), stream);
     return {recv_x, recv_scales, recv_topk, recv_weights, recv_src};
+}
+
+// Raises the input error a count exchange reported (every rank gets the same, lowest rank's, error).
+void raise_input_error(const intranode::InputError& error, int my_rank, int64_t num_experts) {
+    std::ostringstream where;
+    if (error.rank != my_rank) where << " (on rank " << error.rank << ")";
+    if (error.code == intranode::kTopkIdxOutOfRange)
+        TORCH_CHECK_VALUE(false, "topk_idx: expected entries in [-1, ", num_experts, ") (-1 = no expert), got ", error.value, " at token ",
+                          error.where, ", column ", error.slot, where.str());
+    if (error.code == intranode::kTokensPerRankMismatch)
+        TORCH_CHECK_VALUE(false, "num_tokens_per_rank: entry ", error.where, " is ", error.value, " but is_token_in_rank sends ", error.slot,
+                          " tokens to rank ", error.where, where.str(), "; pass the counts get_dispatch_layout returned with it");
+    TORCH_CHECK(false, "intranode dispatch: unknown input error code ", error.code, where.str());
+}
+
+// Waits until the notify kernel has published report `tag`, by polling host-mapped memory: no stream sync, so the
+// host is free as soon as the counts exist. Fails (instead of hanging) if the stream faults or the wait times out.
+void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int64_t timeout_ns) {
+    const volatile int* published = &buffer.report()->tag;
+    const auto start = std::chrono::steady_clock::now();
+    // The kernels' own timeouts (which name the peer and stage, then fault the stream) fire first; the host's is a
+    // backstop for a stream that never reaches notify.
+    const int64_t host_timeout_ns = 2 * timeout_ns + 1000000000LL;
+    constexpr int kSpinsPerCheck = 1024;  // between checks of the stream's state and the clock
+    for (int64_t spins = 1; *published != tag; ++spins) {
+        if (spins % kSpinsPerCheck != 0) continue;
+        const cudaError_t state = cudaStreamQuery(stream);
+        TORCH_CHECK(state == cudaSuccess || state == cudaErrorNotReady, "ep_dispatcher: rank ", buffer.rank(),
+                    ": the stream faulted while the host waited for the count exchange: ", cudaGetErrorString(state));
+        if (state == cudaSuccess && *published != tag) break;  // cannot happen: the stream ran notify; re-read below
+        const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+        TORCH_CHECK(waited < host_timeout_ns, "ep_dispatcher: timeout after ", host_timeout_ns / 1000000, " ms on rank ", buffer.rank(),
+                    ", stage 'dispatch: host waiting for the count exchange'");
+        std::this_thread::yield();
+    }
+    TORCH_CHECK(*published == tag, "ep_dispatcher: rank ", buffer.rank(), ": the count exchange finished without its report");
+    std::atomic_thread_fence(std::memory_order_acquire);
+}
+
+using FreshDispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor,  // recv x/scales/topk/weights/src
+                                        at::Tensor, at::Tensor, at::Tensor, OptTensor,            // send_pos, counts, prefix, per expert
+                                        OptTensor, std::vector<int64_t>, int64_t>;                // host counts, host list, rows
+
+// One C++ entry for a fresh dispatch: send positions and content checks on the device, the count exchange, the host's
+// wait for the counts (host-mapped memory, no stream sync; skipped with num_worst_tokens), then the data kernels.
+FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
+                                    const OptTensor& topk_weights, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+                                    const OptTensor& num_tokens_per_expert, int64_t num_experts, int64_t expert_alignment,
+                                    int64_t num_worst_tokens, int64_t num_sms, int64_t timeout_ns) {
+    TORCH_CHECK(buffer.is_open(), "intranode_dispatch: peers are not mapped");
+    for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
+        check_cuda(*t, name, buffer);
+    const c10::cuda::CUDAGuard guard(x.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const int R = buffer.num_ranks(), rank = buffer.rank();
+    const int num_tokens = static_cast<int>(x.size(0));
+    const int num_local_experts = static_cast<int>(num_experts > 0 ? num_experts / R : 1);
+    // A call that did not wait (num_worst_tokens) reports its input error here, at the next call, at the latest.
+    if (buffer.unchecked_report_tag != 0 && buffer.report()->tag == buffer.unchecked_report_tag) {
+        const intranode::InputError error = buffer.report()->error;
+        buffer.unchecked_report_tag = 0;
+        if (error.code != intranode::kInputOk) raise_input_error(error, rank, num_experts);
+    }
+
+    // One allocation for the small per-call integers: counts [R] | count matrix [R, R] | prefix matrix [R, R] | per expert.
+    const int64_t num_per_expert = num_tokens_per_expert ? num_local_experts : 0;
+    at::Tensor ints = at::empty({R + 2 * R * R + num_per_expert}, x.options().dtype(at::kInt));
+    at::Tensor counts = ints.narrow(0, 0, R);
+    at::Tensor count_matrix = ints.narrow(0, R, R * R).view({R, R});
+    at::Tensor rank_prefix_matrix = ints.narrow(0, R + R * R, R * R).view({R, R});
+    OptTensor recv_per_expert;
+    if (num_tokens_per_expert) {
+        check_cuda(*num_tokens_per_expert, "num_tokens_per_expert", buffer);
+        recv_per_expert = ints.narrow(0, R + 2 * R * R, num_per_expert);
+    }
+    at::Tensor send_pos = at::empty({num_tokens, R}, x.options().dtype(at::kInt));
+    if (topk_idx) check_cuda(*topk_idx, "topk_idx", buffer);
+    const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
+
+    intranode::send_positions(buffer.peers(), rank, R, is_token_in_rank.data_ptr<bool>(), num_tokens, num_tokens_per_rank.data_ptr<int>(),
+                              topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, num_topk, static_cast<int>(num_experts),
+                              send_pos.data_ptr<int>(), counts.data_ptr<int>(), stream);
+    const int tag = buffer.next_report_tag();
+    intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(),
+                      num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
+                      static_cast<int>(expert_alignment), count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
+                      recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, buffer.report_on_device(), tag, timeout_ns, stream);
+
+    OptTensor count_matrix_host;
+    std::vector<int64_t> per_expert_list;
+    int64_t rows_out = num_worst_tokens;
+    if (num_worst_tokens == 0) {
+        wait_for_report(buffer, tag, stream, timeout_ns);
+        const intranode::CountReport& report = *buffer.report();
+        if (report.error.code != intranode::kInputOk) raise_input_error(report.error, rank, num_experts);
+        count_matrix_host = at::from_blob(const_cast<int*>(report.count_matrix), {R, R}, at::TensorOptions().dtype(at::kInt)).clone();
+        // Every rank sees the same matrix, so every rank raises together when some rank's rows do not fit.
+        const int x_row = static_cast<int>(x.size(1) * x.element_size());
+        const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
+        const int capacity = intranode::dispatch_regions(buffer.data_bytes(), x_row, scale_row, num_topk).capacity;
+        int64_t most = 0;
+        for (int dst = 0; dst < R; ++dst) {
+            int64_t rows = 0;
+            for (int src = 0; src < R; ++src) rows += report.count_matrix[src * R + dst];
+            most = std::max(most, rows);
+            if (dst == rank) rows_out = rows;
+        }
+        TORCH_CHECK_VALUE(most <= capacity, "num_nvl_bytes: this dispatch needs ", most, " rows on some rank but the buffer holds ", capacity,
+                          " rows of this shape (", buffer.data_bytes(), " data bytes); create the Buffer with more num_nvl_bytes");
+        per_expert_list.assign(report.recv_per_expert, report.recv_per_expert + num_per_expert);
+    } else {
+        buffer.unchecked_report_tag = tag;
+    }
+    auto [recv_x, recv_scales, recv_topk, recv_weights, recv_src] =
+        dispatch(buffer, x, scales, topk_idx, topk_weights, num_local_experts, is_token_in_rank, send_pos, count_matrix, rows_out, num_sms,
+                 timeout_ns, false);
+    return {recv_x, recv_scales, recv_topk, recv_weights, recv_src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
+            count_matrix_host, per_expert_list, rows_out};
 }
 
 std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
@@ -114,10 +221,10 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
         if (b->has_value()) check_cuda(**b, "bias", buffer);
     const auto regions = intranode::combine_regions(buffer.data_bytes(), x_row, num_topk);
 
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, 3, stream);
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, stream);
     intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                             num_topk, count_matrix.data_ptr<int>(), regions, static_cast<int>(num_sms), stream);
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, 4, stream);
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, stream);
 
     at::Tensor out = at::empty({num_tokens, hidden}, x.options());
     OptTensor out_weights;
@@ -152,9 +259,16 @@ void register_intranode(py::module_& m) {
     m.attr("INTRANODE_SIGNAL_BYTES") = static_cast<int64_t>(intranode::kSignalBytes);
     m.attr("INTRANODE_MAX_RANKS") = intranode::kMaxRanks;
     m.attr("INTRANODE_MAX_EXPERTS") = intranode::kMaxExperts;
-    m.def("intranode_notify", &notify, py::call_guard<py::gil_scoped_release>());
-    m.def("intranode_dispatch", &dispatch, py::call_guard<py::gil_scoped_release>());
-    m.def("intranode_combine", &combine, py::call_guard<py::gil_scoped_release>());
+    m.def("intranode_dispatch_fresh", &dispatch_fresh, py::arg("buffer"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"),
+          py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"),
+          py::arg("num_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("num_sms"), py::arg("timeout_ns"),
+          py::call_guard<py::gil_scoped_release>());
+    m.def("intranode_dispatch", &dispatch, py::arg("buffer"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+          py::arg("num_local_experts"), py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("rows_out"),
+          py::arg("num_sms"), py::arg("timeout_ns"), py::arg("sync_before"), py::call_guard<py::gil_scoped_release>());
+    m.def("intranode_combine", &combine, py::arg("buffer"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
+          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("num_sms"),
+          py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace ep

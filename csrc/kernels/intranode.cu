@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 
 #include "common.cuh"
 #include "intranode.cuh"
@@ -21,6 +22,19 @@ __device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<i
 __device__ __forceinline__ int* counts_of(char* base) { return reinterpret_cast<int*>(base + kCountsOffset); }
 __device__ __forceinline__ int* expert_counts_of(char* base) { return reinterpret_cast<int*>(base + kExpertCountsOffset); }
 __device__ __forceinline__ char* data_of(char* base) { return base + kSignalBytes; }
+__device__ __forceinline__ InputError* input_error_of(char* base) { return reinterpret_cast<InputError*>(base + kInputErrorOffset); }
+
+constexpr int kScanThreads = 512;  // one block per destination rank scans that rank's column of is_token_in_rank
+
+// Records the first input error of this call in this rank's signal area (later finders lose the compare-and-swap).
+__device__ __forceinline__ void report_input_error(InputError* error, int code, int where, int slot, long long value) {
+    if (atomicCAS(&error->code, kInputOk, -1) != kInputOk) return;  // -1: claimed, details being written
+    error->where = where;
+    error->slot = slot;
+    error->value = value;
+    __threadfence();
+    atomicExch(&error->code, code);
+}
 
 // Copies `bytes` from src to dst with one warp: 16-byte vectors when both ends and the size allow, else 4-byte
 // words (FP8 scale rows are multiples of 4 bytes), else bytes. `src` is read-only for the kernel's lifetime.
@@ -48,9 +62,43 @@ __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch,
     sync::block_barrier(peer_flags, flags_of(peers.base[rank]), epoch, rank, num_ranks, timeout_ns, stage);
 }
 
+__global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank,
+                                                                      int num_tokens, const int* num_tokens_per_rank, const int64_t* topk_idx,
+                                                                      int num_topk, int num_experts, int* send_pos, int* counts) {
+    using BlockScan = cub::BlockScan<int, kScanThreads>;
+    __shared__ typename BlockScan::TempStorage scan_storage;
+    InputError* error = input_error_of(peers.base[rank]);
+    const int dst = blockIdx.x;
+    // Each thread owns a contiguous run of tokens: count its hits, scan the run totals, then write positions.
+    const int run = ceil_div(num_tokens, kScanThreads);
+    const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * run), end = min(num_tokens, begin + run);
+    int hits = 0;
+    for (int t = begin; t < end; ++t) hits += is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst] ? 1 : 0;
+    int position, total;
+    BlockScan(scan_storage).ExclusiveSum(hits, position, total);
+    for (int t = begin; t < end; ++t) {
+        const int64_t cell = static_cast<int64_t>(t) * num_ranks + dst;
+        send_pos[cell] = position;
+        position += is_token_in_rank[cell] ? 1 : 0;
+    }
+    if (threadIdx.x == 0) {
+        counts[dst] = total;
+        if (num_tokens_per_rank[dst] != total) report_input_error(error, kTokensPerRankMismatch, dst, total, num_tokens_per_rank[dst]);
+    }
+    // The blocks share the range check of topk_idx.
+    if (topk_idx != nullptr) {
+        const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x; i < entries; i += static_cast<int64_t>(gridDim.x) * kScanThreads) {
+            const int64_t expert = topk_idx[i];
+            if (expert < -1 || expert >= num_experts)
+                report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
+        }
+    }
+}
+
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
                               const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix,
-                              int* recv_per_expert, int64_t timeout_ns) {
+                              int* rank_prefix_matrix, int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
     char* mine = peers.base[rank];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
@@ -64,7 +112,16 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
 
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
         const int src = i / num_ranks, dst = i % num_ranks;
-        count_matrix[i] = sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
+        const int count = sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
+        count_matrix[i] = count;
+        if (report != nullptr) report->count_matrix[i] = count;
+    }
+    for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+        int prefix = 0;
+        for (int src = 0; src < num_ranks; ++src) {
+            prefix += sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
+            rank_prefix_matrix[src * num_ranks + dst] = prefix;
+        }
     }
     if (num_tokens_per_expert != nullptr) {
         const int num_local_experts = num_experts / num_ranks;
@@ -72,11 +129,34 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             int total = 0;
             for (int src = 0; src < num_ranks; ++src)
                 total += sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + rank * num_local_experts + e);
-            recv_per_expert[e] = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
+            const int aligned = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
+            recv_per_expert[e] = aligned;
+            if (report != nullptr) report->recv_per_expert[e] = aligned;
         }
+    }
+    if (report != nullptr && threadIdx.x == 0) {
+        // Every rank reports the same (lowest) rank's error, so all ranks raise together.
+        InputError found{};
+        for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
+            const InputError* e = input_error_of(peers.base[src]);
+            if (sync::load_relaxed_sys(&e->code) != kInputOk) {
+                found.code = sync::load_relaxed_sys(&e->code);
+                found.where = sync::load_relaxed_sys(&e->where);
+                found.slot = sync::load_relaxed_sys(&e->slot);
+                found.value = static_cast<long long>(*reinterpret_cast<const volatile long long*>(&e->value));
+                found.rank = src;
+            }
+        }
+        report->error = found;
+    }
+    __syncthreads();
+    if (report != nullptr && threadIdx.x == 0) {
+        __threadfence_system();  // the report's contents before its tag
+        *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
     }
     // Nobody may overwrite its counts (next call) while a peer is still reading them.
     sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyDone);
+    if (threadIdx.x == 0) *input_error_of(mine) = InputError{};  // peers are done reading it
 }
 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
@@ -342,12 +422,23 @@ CombineRegions combine_regions(size_t data_bytes, int x_row_bytes, int num_topk)
     return r;
 }
 
+void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
+                    const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
+                    cudaStream_t stream) {
+    EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
+    send_positions_kernel<<<num_ranks, kScanThreads, 0, stream>>>(peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank,
+                                                                 topk_idx, num_topk, num_experts, send_pos, counts);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int* count_matrix, int* recv_per_expert, int64_t timeout_ns, cudaStream_t stream) {
+            int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, CountReport* report,
+            int report_tag, int64_t timeout_ns, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
     notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, count_matrix, recv_per_expert, timeout_ns);
+                                                         num_experts, expert_alignment, count_matrix, rank_prefix_matrix, recv_per_expert,
+                                                         report, report_tag, timeout_ns);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

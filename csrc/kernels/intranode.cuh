@@ -23,12 +23,33 @@ namespace ep::intranode {
 constexpr int kMaxRanks = 128;     // ranks one IPC domain is sized for (NVL72 fits); the signal area scales with it
 constexpr int kMaxExperts = 8192;  // experts whose counts fit in the signal area
 constexpr int kMaxTopk = 16;       // widest top-k (DESIGN: NUM_MAX_TOPK)
-// Signal area at the start of every rank's buffer: barrier flags, this rank's per-rank and per-expert counts.
+// Signal area at the start of every rank's buffer: barrier flags, this rank's per-rank and per-expert counts, and
+// the input error its last send-position pass found (read by peers during notify, so every rank raises together).
 constexpr size_t kFlagsOffset = 0;
 constexpr size_t kCountsOffset = kFlagsOffset + sizeof(int) * kMaxRanks;
 constexpr size_t kExpertCountsOffset = kCountsOffset + sizeof(int) * kMaxRanks;
-constexpr size_t kSignalBytes = 64 * 1024;  // >= kExpertCountsOffset + 4 * kMaxExperts, and keeps data 64 KiB aligned
-static_assert(kExpertCountsOffset + sizeof(int) * kMaxExperts <= kSignalBytes, "signal area too small");
+constexpr size_t kInputErrorOffset = kExpertCountsOffset + sizeof(int) * kMaxExperts;
+constexpr size_t kSignalBytes = 64 * 1024;  // holds all of the above, and keeps data 64 KiB aligned
+
+// A bad input found on the device (contents the host cannot see without a sync). The first finder wins.
+enum InputErrorCode : int { kInputOk = 0, kTopkIdxOutOfRange = 1, kTokensPerRankMismatch = 2 };
+struct InputError {
+    int code;   // InputErrorCode
+    int where;  // kTopkIdxOutOfRange: token; kTokensPerRankMismatch: destination rank
+    int slot;   // kTopkIdxOutOfRange: top-k column; kTokensPerRankMismatch: the count is_token_in_rank gives
+    int rank;   // filled by notify: the rank whose input it is
+    long long value;  // the bad expert id, or the num_tokens_per_rank entry
+};
+static_assert(kInputErrorOffset + sizeof(InputError) <= kSignalBytes, "signal area too small");
+
+// What a fresh dispatch's count exchange reports to the host, in host-mapped pinned memory that the host polls
+// (no stream sync, no device-to-host copy). `tag` is written last, after everything else is visible.
+struct CountReport {
+    int tag;
+    InputError error;  // the lowest rank's error, code kInputOk if none
+    int count_matrix[kMaxRanks * kMaxRanks];
+    int recv_per_expert[kMaxExperts];
+};
 
 // Base address of every rank's buffer, as mapped in this process (index = rank). Passed by value to kernels.
 struct Peers {
@@ -49,13 +70,23 @@ struct CombineRegions {
 DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk);
 CombineRegions combine_regions(size_t data_bytes, int x_row_bytes, int num_topk);
 
+// Send positions of a fresh dispatch, on the device (no torch scan, no host sync): send_pos[t][d] = tokens before t
+// that go to rank d; counts[d] = tokens that go to d. Also checks the contents the host cannot see without a sync:
+// topk_idx entries in [-1, num_experts) (topk_idx may be null) and num_tokens_per_rank == counts. The first error
+// goes to this rank's signal area, where notify publishes it to every rank.
+void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
+                    const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
+                    cudaStream_t stream);
+
 // Writes this rank's counts into its own signal area, waits for all ranks, reads everyone's counts:
-// count_matrix[s * num_ranks + d] = tokens rank s sends to rank d; recv_per_expert[e] = tokens this rank receives
-// for local expert e, rounded up to expert_alignment (skipped when num_tokens_per_expert is null). Then waits again
-// so nobody overwrites counts another rank is still reading.
+// count_matrix[s * num_ranks + d] = tokens rank s sends to rank d; rank_prefix_matrix[s][d] = sum over s' <= s;
+// recv_per_expert[e] = tokens this rank receives for local expert e, rounded up to expert_alignment (skipped when
+// num_tokens_per_expert is null). `report` (host-mapped, may be null) gets the count matrix, the per-expert counts
+// and the lowest rank's input error, then `report_tag`. Then waits again so nobody overwrites counts (or clears its
+// error) while a peer is still reading them.
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* recv_per_expert,
-            int64_t timeout_ns, cudaStream_t stream);
+            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix,
+            int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream);
 
 // Timed barrier over all ranks (one block).
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, cudaStream_t stream);

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "stages.h"
+
 namespace ep::sync {
 
 __device__ __forceinline__ void store_release_sys(int* ptr, int value) {
@@ -45,8 +47,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-// Stages named in timeout reports.
-enum Stage : int { kStageNotifyCounts = 0, kStageNotifyDone = 1, kStageDispatchData = 2, kStageCombineReady = 3, kStageCombineData = 4 };
 
 __device__ __forceinline__ const char* stage_name(int stage) {
     switch (stage) {

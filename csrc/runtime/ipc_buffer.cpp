@@ -21,6 +21,10 @@ IpcBuffer::IpcBuffer(int rank, int num_ranks, int64_t num_data_bytes, int device
     EP_CUDA_CHECK(cudaMemset(base_, 0, intranode::kSignalBytes));
     EP_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(int)));
     EP_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(int)));
+    // Written by the notify kernel, polled by the host: mapped pinned memory needs no copy and no stream sync.
+    EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&report_), sizeof(intranode::CountReport), cudaHostAllocMapped));
+    std::memset(report_, 0, sizeof(intranode::CountReport));
+    EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_device_), report_, 0));
     EP_CUDA_CHECK(cudaDeviceSynchronize());
     mapped_.assign(num_ranks, false);
 }
@@ -70,8 +74,11 @@ void IpcBuffer::destroy() {
         if (mapped_[r]) EP_CUDA_CHECK(cudaIpcCloseMemHandle(peers_.base[r]));
     if (base_ != nullptr) EP_CUDA_CHECK(cudaFree(base_));
     if (epoch_ != nullptr) EP_CUDA_CHECK(cudaFree(epoch_));
+    if (report_ != nullptr) EP_CUDA_CHECK(cudaFreeHost(report_));
     base_ = nullptr;
     epoch_ = nullptr;
+    report_ = nullptr;
+    report_device_ = nullptr;
 }
 
 }  // namespace ep

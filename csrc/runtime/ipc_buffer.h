@@ -33,6 +33,12 @@ class IpcBuffer {
     int64_t data_bytes() const { return data_bytes_; }
     char* local_data() const { return base_ + intranode::kSignalBytes; }
     int* epoch() const { return epoch_; }
+    // Host-mapped report of the count exchange (see intranode::CountReport), and the tag of the next report.
+    intranode::CountReport* report() const { return report_; }
+    intranode::CountReport* report_on_device() const { return report_device_; }
+    int next_report_tag() { return ++report_tag_; }
+    // Tag of a fresh dispatch whose report nobody waited for (num_worst_tokens): checked at the next call, 0 if none.
+    int unchecked_report_tag = 0;
     const intranode::Peers& peers() const { return peers_; }
 
    private:
@@ -40,6 +46,9 @@ class IpcBuffer {
     int64_t data_bytes_;
     char* base_ = nullptr;
     int* epoch_ = nullptr;
+    intranode::CountReport* report_ = nullptr;
+    intranode::CountReport* report_device_ = nullptr;
+    int report_tag_ = 0;
     intranode::Peers peers_{};
     std::vector<bool> mapped_;  // peers whose pointer came from cudaIpcOpenMemHandle (closed on destroy)
     bool opened_ = false, destroyed_ = false;

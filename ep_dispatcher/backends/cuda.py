@@ -82,6 +82,11 @@ class CudaBackend(ReferenceBackend):
             )
             self._nvshmem_bytes = num_rdma_bytes
 
+    @staticmethod
+    def _num_sms(config: Optional[Config]) -> int:
+        """SMs of a data kernel: the call's config (Buffer passes one built from ``Buffer.num_sms`` by default)."""
+        return (config or Config()).num_sms
+
     def engine_calls(self) -> tuple:
         calls = ("get_dispatch_layout",)
         if self.ipc is not None:
@@ -104,6 +109,13 @@ class CudaBackend(ReferenceBackend):
             self.internode = None
         _release_nvshmem(self._nvshmem_bytes)
         self._nvshmem_bytes = 0
+
+    def checks_topk_idx_on_device(self, call: str, topk_idx: torch.Tensor) -> bool:
+        """The layout kernel ignores ids outside ``[0, num_experts)`` and the intranode dispatch reports them (every
+        rank raises ``ValueError`` after the count exchange), so neither needs the host-side check's sync."""
+        if not topk_idx.is_cuda:
+            return False
+        return call == "get_dispatch_layout" or (call == "dispatch" and self.ipc is not None)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -148,62 +160,33 @@ class CudaBackend(ReferenceBackend):
                 num_worst_tokens,
                 buffer_id,
             )
-        num_sms = (config or Config()).num_sms
-        # Position of each token among this rank's tokens for each destination (source order kept).
-        in_rank_int = is_token_in_rank.to(torch.int32)
-        send_pos = (torch.cumsum(in_rank_int, dim=0, dtype=torch.int32) - in_rank_int).contiguous()
-        count_matrix, per_expert = _C.intranode_notify(
-            self.ipc, num_tokens_per_rank, num_tokens_per_expert, num_experts or 0, expert_alignment, self.timeout_ns
-        )
-        count_matrix_host = None
-        per_expert_list: List[int] = []
-        x_row, scale_row = x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4
-        num_topk = 0 if topk_idx is None else topk_idx.size(1)
-        if num_worst_tokens == 0:
-            # The host must know how many rows to allocate: one copy (one sync) brings the counts and the per-expert
-            # counts together.
-            cells = count_matrix.numel()
-            on_device = count_matrix.view(-1) if per_expert is None else torch.cat([count_matrix.view(-1), per_expert])
-            host = on_device.cpu()
-            count_matrix_host = host[:cells].view(count_matrix.shape)
-            rows_out = int(count_matrix_host[:, self.rank].sum())
-            self._check_capacity(
-                count_matrix_host.sum(0).max(), self.ipc.dispatch_capacity(x_row, scale_row, num_topk), "dispatch"
-            )
-            if per_expert is not None:
-                per_expert_list = host[cells:].tolist()
-        else:
-            rows_out = num_worst_tokens
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = _C.intranode_dispatch(
-            self.ipc,
-            x,
-            x_scales,
-            topk_idx,
-            topk_weights,
-            (num_experts or self.num_ranks) // self.num_ranks,
-            is_token_in_rank,
-            send_pos,
-            count_matrix,
-            rows_out,
-            num_sms,
-            self.timeout_ns,
-            False,
+        # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
+        # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
+        (
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
+            send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
+        ) = _C.intranode_dispatch_fresh(
+            self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+            num_experts or 0, expert_alignment, num_worst_tokens, self._num_sms(config), self.timeout_ns,
         )
         handle = self._engine_handle(
             buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
-            expert_alignment, count_matrix_host=count_matrix_host, send_pos=send_pos,
+            expert_alignment, rank_prefix_matrix=rank_prefix_matrix, count_matrix_host=count_matrix_host,
+            send_pos=send_pos,
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     def _engine_handle(
         self, buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
-        expert_alignment, **state,
+        expert_alignment, rank_prefix_matrix=None, **state,
     ) -> DispatchHandle:
         """The handle of a dispatch the engine ran; ``state`` is what its cached dispatch and combine reuse."""
+        if rank_prefix_matrix is None:
+            rank_prefix_matrix = torch.cumsum(count_matrix, dim=0, dtype=torch.int32)
         return DispatchHandle(
             buffer_id=buffer_id,
             num_ranks=self.num_ranks,
-            rank_prefix_matrix=torch.cumsum(count_matrix, dim=0, dtype=torch.int32),
+            rank_prefix_matrix=rank_prefix_matrix,
             recv_src_idx=recv_src_idx,
             is_token_in_rank=is_token_in_rank,
             num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
@@ -227,7 +210,7 @@ class CudaBackend(ReferenceBackend):
             return self._internode_cached_dispatch(x, x_scales, handle, config)
         if not (self._uses_engine(x) and state.get("engine") == "cuda"):
             return super().cached_dispatch(x, x_scales, self._reference_view(handle))
-        num_sms = (config or Config()).num_sms
+        num_sms = self._num_sms(config)
         recv_x, recv_scales, _, _, _ = _C.intranode_dispatch(
             self.ipc,
             x,
@@ -251,7 +234,7 @@ class CudaBackend(ReferenceBackend):
             return self._internode_combine(x, handle, topk_weights, bias, config)
         if not (self._uses_engine(x) and state.get("engine") == "cuda" and x.dtype in _COMBINE_DTYPES):
             return super().combine(x, self._reference_view(handle), topk_weights, bias)
-        num_sms = (config or Config()).num_sms
+        num_sms = self._num_sms(config)
         host = state["count_matrix_host"]
         if host is not None:
             num_topk = 0 if topk_weights is None else topk_weights.size(1)
@@ -302,7 +285,7 @@ class CudaBackend(ReferenceBackend):
         The per-rank and per-node counts are recomputed here from ``is_token_in_rank`` (device ops, no host sync), so
         the kernels cannot be handed counts that disagree with the routing.
         """
-        num_sms = (config or Config()).num_sms
+        num_sms = self._num_sms(config)
         send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
             is_token_in_rank, self.num_ranks_per_node
         )
@@ -368,7 +351,7 @@ class CudaBackend(ReferenceBackend):
 
     def _internode_cached_dispatch(self, x, x_scales, handle: DispatchHandle, config):
         state = handle.backend_state
-        num_sms = (config or Config()).num_sms
+        num_sms = self._num_sms(config)
         hidden_bytes = x.size(1) * max(x.element_size(), 2)
         self._internode_check_handle(handle, hidden_bytes)
         recv_x, recv_scales, _, _, _, _ = self.internode.dispatch(
@@ -379,7 +362,7 @@ class CudaBackend(ReferenceBackend):
 
     def _internode_combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config):
         state = handle.backend_state
-        num_sms = (config or Config()).num_sms
+        num_sms = self._num_sms(config)
         bias0 = bias[0].contiguous() if len(bias) > 0 else None
         bias1 = bias[1].contiguous() if len(bias) > 1 else None
         self._internode_check_handle(handle, x.size(1) * max(x.element_size(), 2))

@@ -109,6 +109,11 @@ class ReferenceBackend:
         return torch.stack(gathered).cpu()
 
     # ------------------------------------------------------------------ layout
+    def checks_topk_idx_on_device(self, call: str, topk_idx: torch.Tensor) -> bool:
+        """Whether ``call`` checks the range of ``topk_idx`` itself (on the device, no host sync); the reference
+        backend never does, so ``Buffer`` checks at once."""
+        return False
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         num_tokens = topk_idx.size(0)
         num_ranks, per_node = self.num_ranks, self.num_ranks_per_node

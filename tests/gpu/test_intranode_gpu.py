@@ -194,3 +194,55 @@ def test_intranode_graph_replay_and_stress(world: int) -> None:
     first = run(_graph_and_stress_worker, world, iterations)
     second = run(_graph_and_stress_worker, world, iterations)
     assert first == second, "same inputs, different results across runs: a race"
+
+
+def _input_error_worker(rank: int, world: int) -> list:
+    """Bad contents found on the device (no host sync) raise ValueError on every rank at the count exchange, and the
+    buffer keeps working afterwards."""
+    device = _set_device(rank)
+    cuda, ref = _buffers(world)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 64, 256, 4 * world, 2
+    g = torch.Generator().manual_seed(40 + rank)
+    x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk].to(device)
+    topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
+    per_rank, _, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
+    kwargs = dict(is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_weights=topk_weights, config=config)
+    messages = []
+
+    bad_idx = topk_idx.clone()
+    if rank == world - 1:
+        bad_idx[5, 1] = num_experts + 7  # only the last rank's input is bad: every rank must raise, none may hang
+    try:
+        cuda.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=bad_idx, **kwargs)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+
+    bad_counts = per_rank.clone()
+    if rank == 0:
+        bad_counts[world - 1] += 3
+    try:
+        cuda.dispatch(x, num_tokens_per_rank=bad_counts, topk_idx=topk_idx, **kwargs)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+
+    # The buffer still works, bit-exact.
+    out_c = cuda.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
+    out_r = ref.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
+    assert torch.equal(out_c[0], out_r[0]) and torch.equal(out_c[1], out_r[1])
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return messages
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
+    for rank, (range_error, count_error) in enumerate(run(_input_error_worker, world)):
+        assert "topk_idx: expected entries in [-1, " in range_error, (rank, range_error)
+        assert f"got {4 * world + 7} at token 5, column 1" in range_error, (rank, range_error)
+        assert (rank == world - 1) == ("on rank" not in range_error), (rank, range_error)
+        assert "num_tokens_per_rank: entry" in count_error, (rank, count_error)
+        assert "is_token_in_rank sends" in count_error, (rank, count_error)
