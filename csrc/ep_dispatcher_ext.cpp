@@ -86,11 +86,13 @@ DispatchLayout get_dispatch_layout(const at::Tensor& topk_idx, int64_t num_exper
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int num_sms = multiprocessor_count(topk_idx.get_device());
 
-    const auto int_options = topk_idx.options().dtype(at::kInt);
-    at::Tensor num_tokens_per_rank = at::empty({num_ranks}, int_options);
+    // One allocation (and one zero-fill in the launcher) for the three counter arrays: [ranks | experts | nodes].
+    const int64_t num_nodes = spans_nodes ? num_ranks / num_ranks_per_node : 0;
+    at::Tensor counters = at::empty({num_ranks + num_experts + num_nodes}, topk_idx.options().dtype(at::kInt));
+    at::Tensor num_tokens_per_rank = counters.narrow(0, 0, num_ranks);
+    at::Tensor num_tokens_per_expert = counters.narrow(0, num_ranks, num_experts);
     std::optional<at::Tensor> num_tokens_per_rdma_rank;
-    if (spans_nodes) num_tokens_per_rdma_rank = at::empty({num_ranks / num_ranks_per_node}, int_options);
-    at::Tensor num_tokens_per_expert = at::empty({num_experts}, int_options);
+    if (spans_nodes) num_tokens_per_rdma_rank = counters.narrow(0, num_ranks + num_experts, num_nodes);
     at::Tensor is_token_in_rank = at::empty({num_tokens, num_ranks}, topk_idx.options().dtype(at::kBool));
 
     layout::get_dispatch_layout(topk_idx.data_ptr<int64_t>(), static_cast<int>(num_tokens), static_cast<int>(num_topk),

@@ -32,11 +32,16 @@ void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) 
 
 using DispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor>;
 
-// The data part of every dispatch (fresh or cached): rows straight to their final place, a barrier, the copy-out.
+// Offset of a pool tensor's region; an empty tensor has none (and nobody writes to it).
+int64_t offset_in_pool(const IpcBuffer& buffer, const at::Tensor& t) { return t.numel() == 0 ? 0 : buffer.pool().offset_of(t); }
+
+// The data part of every dispatch (fresh or cached): this rank's output tensors come from its receive pool, their
+// offsets are published at a barrier, every sender writes its rows straight into them, and a barrier ends the call.
+// A fresh dispatch also returns recv_src_idx and the top-k outputs (num_worst_tokens padding filled in).
 DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
                          const OptTensor& topk_weights, int64_t num_local_experts, const at::Tensor& is_token_in_rank,
                          const at::Tensor& send_pos, const at::Tensor& count_matrix, int64_t rows_out, int64_t num_sms, int64_t timeout_ns,
-                         bool sync_before) {
+                         bool fresh) {
     TORCH_CHECK(buffer.is_open(), "intranode_dispatch: peers are not mapped");
     for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&send_pos, "send_pos"},
                                   {&count_matrix, "count_matrix"}})
@@ -55,31 +60,48 @@ DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor
         TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
         check_cuda(*topk_weights, "topk_weights", buffer);
     }
-    const auto regions = intranode::dispatch_regions(buffer.data_bytes(), x_row, scale_row, num_topk);
-    TORCH_CHECK_VALUE(rows_out <= regions.capacity, "num_nvl_bytes: the buffer holds ", regions.capacity,
-                      " received rows of this shape, this dispatch needs ", rows_out);
+    const int capacity = intranode::dispatch_capacity(buffer.pool().capacity(), x_row, scale_row, num_topk);
+    TORCH_CHECK_VALUE(rows_out <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " received rows of this shape, this dispatch needs ",
+                      rows_out, "; create the Buffer with more num_nvl_bytes");
 
-    // Everyone's previous use of its data area is over once all ranks pass this point (stream order). A fresh
-    // dispatch skips it: its notify step already synchronised all ranks after their previous work.
-    if (sync_before) intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, stream);
+    // Room first: making it may move earlier outputs out of the pool (the inputs of this call among them), so no data
+    // pointer is read before this point.
+    RecvPool& pool = buffer.pool();
+    pool.reserve(intranode::dispatch_bytes(rows_out, x_row, scale_row, num_topk, fresh), stream);
+    at::Tensor recv_x = pool.tensor({rows_out, x.size(1)}, x.scalar_type(), stream);
+    OptTensor recv_scales, recv_topk, recv_weights;
+    if (scales) recv_scales = pool.tensor({rows_out, scales->size(1)}, scales->scalar_type(), stream);
+    if (topk_idx) {
+        recv_topk = pool.tensor({rows_out, num_topk}, at::kLong, stream);
+        recv_weights = pool.tensor({rows_out, num_topk}, at::kFloat, stream);
+    }
+    const int64_t src_offset = fresh ? pool.transient(rows_out * static_cast<int64_t>(sizeof(int)), stream) : -1;
+
+    intranode::Published publish{};
+    for (int64_t& v : publish.value) v = -1;
+    publish.value[intranode::kPubRecvX] = offset_in_pool(buffer, recv_x);
+    if (recv_scales) publish.value[intranode::kPubRecvScales] = offset_in_pool(buffer, *recv_scales);
+    if (recv_topk) {
+        publish.value[intranode::kPubRecvTopk] = offset_in_pool(buffer, *recv_topk);
+        publish.value[intranode::kPubRecvWeights] = offset_in_pool(buffer, *recv_weights);
+    }
+    publish.value[intranode::kPubRecvSrc] = src_offset;
+    publish.value[intranode::kPubRecvRows] = rows_out;
+    // Every rank's previous use of its outputs' regions is over, and every rank's offsets are known, past this barrier.
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchReady, &publish, stream);
     intranode::dispatch(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
                         topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                         num_topk, static_cast<int>(num_local_experts), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
-                        count_matrix.data_ptr<int>(), num_tokens, regions, static_cast<int>(num_sms), stream);
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, stream);
+                        count_matrix.data_ptr<int>(), num_tokens, static_cast<int>(num_sms), stream);
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream);
 
-    at::Tensor recv_x = at::empty({rows_out, x.size(1)}, x.options());
-    OptTensor recv_scales, recv_topk, recv_weights;
-    if (scales) recv_scales = at::empty({rows_out, scales->size(1)}, scales->options());
-    if (topk_idx) {
-        recv_topk = at::empty({rows_out, num_topk}, topk_idx->options());
-        recv_weights = at::empty({rows_out, num_topk}, topk_weights->options());
+    at::Tensor recv_src = at::empty({fresh ? rows_out : 0}, x.options().dtype(at::kInt));
+    if (fresh) {
+        intranode::finish_receive(reinterpret_cast<const int*>(buffer.local_data() + src_offset), count_matrix.data_ptr<int>(), buffer.rank(),
+                                  R, static_cast<int>(rows_out), recv_src.data_ptr<int>(), recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr,
+                                  recv_weights ? recv_weights->data_ptr<float>() : nullptr, num_topk, stream);
+        pool.release_transient(src_offset, stream);
     }
-    at::Tensor recv_src = at::empty({rows_out}, x.options().dtype(at::kInt));
-    intranode::copy_out(buffer.local_data(), regions, count_matrix.data_ptr<int>(), buffer.rank(), R, static_cast<int>(rows_out),
-                        recv_x.data_ptr(), x_row, recv_scales ? recv_scales->data_ptr() : nullptr, scale_row,
-                        recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr, recv_weights ? recv_weights->data_ptr<float>() : nullptr,
-                        num_topk, recv_src.data_ptr<int>(), static_cast<int>(num_sms), stream);
     return {recv_x, recv_scales, recv_topk, recv_weights, recv_src};
 }
 
@@ -122,7 +144,8 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
 
 using FreshDispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor,  // recv x/scales/topk/weights/src
                                         at::Tensor, at::Tensor, at::Tensor, OptTensor,            // send_pos, counts, prefix, per expert
-                                        OptTensor, std::vector<int64_t>, int64_t>;                // host counts, host list, rows
+                                        OptTensor, std::vector<int64_t>, int64_t,                 // host counts, host list, rows
+                                        int64_t, int64_t>;  // rows this rank sent (combine gets them back), most any rank sent
 
 // One C++ entry for a fresh dispatch: send positions and content checks on the device, the count exchange, the host's
 // wait for the counts (host-mapped memory, no stream sync; skipped with num_worst_tokens), then the data kernels.
@@ -172,6 +195,8 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     OptTensor count_matrix_host;
     std::vector<int64_t> per_expert_list;
     int64_t rows_out = num_worst_tokens;
+    // Without the counts on the host (num_worst_tokens), a bound: each token goes to at most min(R, num_topk) ranks.
+    int64_t sent_rows = static_cast<int64_t>(num_tokens) * (topk_idx ? std::min(R, num_topk) : R), most_sent = sent_rows;
     if (num_worst_tokens == 0) {
         wait_for_report(buffer, tag, stream, timeout_ns);
         const intranode::CountReport& report = *buffer.report();
@@ -180,13 +205,18 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
         // Every rank sees the same matrix, so every rank raises together when some rank's rows do not fit.
         const int x_row = static_cast<int>(x.size(1) * x.element_size());
         const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
-        const int capacity = intranode::dispatch_regions(buffer.data_bytes(), x_row, scale_row, num_topk).capacity;
+        const int capacity = intranode::dispatch_capacity(buffer.pool().capacity(), x_row, scale_row, num_topk);
         int64_t most = 0;
+        most_sent = 0;
         for (int dst = 0; dst < R; ++dst) {
-            int64_t rows = 0;
-            for (int src = 0; src < R; ++src) rows += report.count_matrix[src * R + dst];
+            int64_t rows = 0, sent = 0;
+            for (int src = 0; src < R; ++src) {
+                rows += report.count_matrix[src * R + dst];
+                sent += report.count_matrix[dst * R + src];
+            }
             most = std::max(most, rows);
-            if (dst == rank) rows_out = rows;
+            most_sent = std::max(most_sent, sent);
+            if (dst == rank) rows_out = rows, sent_rows = sent;
         }
         TORCH_CHECK_VALUE(most <= capacity, "num_nvl_bytes: this dispatch needs ", most, " rows on some rank but the buffer holds ", capacity,
                           " rows of this shape (", buffer.data_bytes(), " data bytes); create the Buffer with more num_nvl_bytes");
@@ -196,14 +226,17 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     }
     auto [recv_x, recv_scales, recv_topk, recv_weights, recv_src] =
         dispatch(buffer, x, scales, topk_idx, topk_weights, num_local_experts, is_token_in_rank, send_pos, count_matrix, rows_out, num_sms,
-                 timeout_ns, false);
+                 timeout_ns, true);
     return {recv_x, recv_scales, recv_topk, recv_weights, recv_src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
-            count_matrix_host, per_expert_list, rows_out};
+            count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent};
 }
 
+// Combine: this rank takes a transient region of its pool for the rows coming back (sent_rows of them: the rows it
+// sent in the dispatch, or a bound of them), publishes it at a barrier, peers write the rows there, and it sums them.
 std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
                                           const OptTensor& bias1, const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
-                                          const at::Tensor& count_matrix, int64_t num_tokens, int64_t num_sms, int64_t timeout_ns) {
+                                          const at::Tensor& count_matrix, int64_t num_tokens, int64_t sent_rows, int64_t num_sms,
+                                          int64_t timeout_ns) {
     TORCH_CHECK(buffer.is_open(), "intranode_combine: peers are not mapped");
     for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&send_pos, "send_pos"},
                                   {&count_matrix, "count_matrix"}})
@@ -219,21 +252,38 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) check_cuda(*topk_weights, "topk_weights", buffer);
     for (const auto* b : {&bias0, &bias1})
         if (b->has_value()) check_cuda(**b, "bias", buffer);
-    const auto regions = intranode::combine_regions(buffer.data_bytes(), x_row, num_topk);
+    const int capacity = intranode::combine_capacity(buffer.pool().capacity(), x_row, num_topk);
+    TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " returned rows of this shape, this combine needs ",
+                      sent_rows, "; create the Buffer with more num_nvl_bytes");
 
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, stream);
+    // Room first (it may move earlier outputs, x among them, out of the pool): no data pointer is read before.
+    RecvPool& pool = buffer.pool();
+    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream);
+    const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
+    const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
+    intranode::Published publish{};
+    for (int64_t& v : publish.value) v = -1;
+    publish.value[intranode::kPubCombineX] = x_offset;
+    publish.value[intranode::kPubCombineWeights] = weights_offset;
+    publish.value[intranode::kPubCombineRows] = sent_rows;
+
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, &publish, stream);
     intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
-                            num_topk, count_matrix.data_ptr<int>(), regions, static_cast<int>(num_sms), stream);
-    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, stream);
+                            num_topk, count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, nullptr, stream);
 
     at::Tensor out = at::empty({num_tokens, hidden}, x.options());
     OptTensor out_weights;
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
-    intranode::combine_reduce(buffer.local_data(), regions, buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(),
-                              send_pos.data_ptr<int>(), static_cast<int>(num_tokens), hidden,
+    intranode::combine_reduce(buffer.local_data() + x_offset,
+                              weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
+                              buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+                              static_cast<int>(num_tokens), hidden,
                               x.scalar_type() == at::kBFloat16 ? intranode::FloatType::kBFloat16 : intranode::FloatType::kFloat32,
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),
                               out_weights ? out_weights->data_ptr<float>() : nullptr, num_topk, static_cast<int>(num_sms), stream);
+    pool.release_transient(x_offset, stream);
+    if (weights_offset >= 0) pool.release_transient(weights_offset, stream);
     return {out, out_weights};
 }
 
@@ -251,11 +301,14 @@ void register_intranode(py::module_& m) {
         .def_property_readonly("data_bytes", &IpcBuffer::data_bytes)
         .def("dispatch_capacity",
              [](const IpcBuffer& b, int x_row_bytes, int scale_row_bytes, int num_topk) {
-                 return intranode::dispatch_regions(b.data_bytes(), x_row_bytes, scale_row_bytes, num_topk).capacity;
+                 return intranode::dispatch_capacity(b.pool().capacity(), x_row_bytes, scale_row_bytes, num_topk);
              })
-        .def("combine_capacity", [](const IpcBuffer& b, int x_row_bytes, int num_topk) {
-            return intranode::combine_regions(b.data_bytes(), x_row_bytes, num_topk).capacity;
-        });
+        .def("combine_capacity",
+             [](const IpcBuffer& b, int x_row_bytes, int num_topk) {
+                 return intranode::combine_capacity(b.pool().capacity(), x_row_bytes, num_topk);
+             })
+        .def("poison_receive_pool", [](IpcBuffer& b, bool on) { b.pool().set_poison(on); }, py::arg("on"),
+             "Tests: fill every new receive region with 0xff, so rows a kernel fails to write show up.");
     m.attr("INTRANODE_SIGNAL_BYTES") = static_cast<int64_t>(intranode::kSignalBytes);
     m.attr("INTRANODE_MAX_RANKS") = intranode::kMaxRanks;
     m.attr("INTRANODE_MAX_EXPERTS") = intranode::kMaxExperts;
@@ -265,9 +318,9 @@ void register_intranode(py::module_& m) {
           py::call_guard<py::gil_scoped_release>());
     m.def("intranode_dispatch", &dispatch, py::arg("buffer"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"),
           py::arg("num_local_experts"), py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("rows_out"),
-          py::arg("num_sms"), py::arg("timeout_ns"), py::arg("sync_before"), py::call_guard<py::gil_scoped_release>());
+          py::arg("num_sms"), py::arg("timeout_ns"), py::arg("fresh"), py::call_guard<py::gil_scoped_release>());
     m.def("intranode_combine", &combine, py::arg("buffer"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
-          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("num_sms"),
+          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"), py::arg("num_sms"),
           py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
 }
 

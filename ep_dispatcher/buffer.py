@@ -2,8 +2,9 @@
 
 Names, arguments and return values follow DeepEP's ``deep_ep.Buffer`` so existing code switches by changing
 the import. ``Buffer`` validates every argument (``TypeError``/``ValueError`` naming the argument, the value it
-got and what it expects), runs the call on the communication stream, and hands it to a backend:
-``"cuda"`` (the ``ep_dispatcher._C`` engine) or ``"reference"`` (pure PyTorch + torch.distributed).
+got and what it expects), runs the call (on the communication stream when the caller overlaps it with
+``previous_event`` or ``async_finish``, else on the current stream), and hands it to a backend: ``"cuda"`` (the
+``ep_dispatcher._C`` engine) or ``"reference"`` (pure PyTorch + torch.distributed).
 """
 
 from __future__ import annotations
@@ -262,12 +263,17 @@ class Buffer:
         inputs: Sequence,
         call: Callable,
     ):
-        """Run ``call`` on the communication stream after ``previous_event`` (or the current stream).
+        """Run ``call`` on the communication stream after ``previous_event`` (or the current stream); a call with
+        neither ``previous_event`` nor ``async_finish`` runs on the current stream itself (same order, less work).
 
         Returns ``(result, EventOverlap)``. On CPU the call is synchronous and the event empty.
         """
         self._check_alive()
         if device.type != "cuda":
+            return call(), EventOverlap()
+        if previous_event is None and not async_finish:
+            # The caller waits for the result anyway: on the current stream the call is ordered exactly as it would
+            # be through the communication stream, without the stream switch and the two cross-stream waits.
             return call(), EventOverlap()
         compute = torch.cuda.current_stream(device)
         if self._comm_stream is None:
@@ -326,18 +332,6 @@ class Buffer:
         return (*result, event)
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def _check_buffer_size(self, hidden: int, element_size: int, config: Config) -> None:
-        hidden_bytes = hidden * max(element_size, 2)
-        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
-        if self.num_nvl_bytes < need_nvl:
-            raise ValueError(
-                f"num_nvl_bytes: this call needs at least {need_nvl} bytes "
-                f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) for {config}), "
-                f"but the Buffer was created with num_nvl_bytes={self.num_nvl_bytes}"
-            )
-        # The NVSHMEM buffer of the internode engine is checked by the engine (after its count exchange, so that
-        # every rank raises together); the reference backend needs none of it.
-
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         data, scales = split_fp8(name, x)
         if scales is None:
@@ -398,7 +392,6 @@ class Buffer:
         data, scales = self._check_payload("x", x)
         num_tokens = data.size(0)
         config = self._check_config(config, Buffer.get_dispatch_config)
-        self._check_buffer_size(data.size(1), data.element_size(), config)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         device = data.device
         wrap = (lambda d, s: (d, s)) if scales is not None else (lambda d, s: d)
@@ -520,7 +513,6 @@ class Buffer:
         if x.size(1) * x.element_size() % 16 != 0:
             raise ValueError(f"x: rows must be a multiple of 16 bytes, got hidden={x.size(1)} with {x.dtype}")
         config = self._check_config(config, Buffer.get_combine_config)
-        self._check_buffer_size(x.size(1), x.element_size(), config)
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=(rows, None), device=x.device)

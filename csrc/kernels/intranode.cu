@@ -17,12 +17,19 @@ constexpr int kWarpSize = 32;
 constexpr int kDataThreads = 512;  // 16 warps per block: enough 16-byte loads in flight per SM for copy kernels
 constexpr int kWarpsPerBlock = kDataThreads / kWarpSize;
 constexpr int kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
+constexpr int kMaxFinishBlocks = 64;   // the receive bookkeeping is a few bytes per row: a few blocks suffice
 
 __device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<int*>(base + kFlagsOffset); }
 __device__ __forceinline__ int* counts_of(char* base) { return reinterpret_cast<int*>(base + kCountsOffset); }
 __device__ __forceinline__ int* expert_counts_of(char* base) { return reinterpret_cast<int*>(base + kExpertCountsOffset); }
 __device__ __forceinline__ char* data_of(char* base) { return base + kSignalBytes; }
 __device__ __forceinline__ InputError* input_error_of(char* base) { return reinterpret_cast<InputError*>(base + kInputErrorOffset); }
+__device__ __forceinline__ int64_t* published_of(char* base) { return reinterpret_cast<int64_t*>(base + kPublishedOffset); }
+
+// A peer's published value (written by its barrier kernel before the barrier this kernel's stream passed).
+__device__ __forceinline__ int64_t load_published(char* base, int field) {
+    return static_cast<int64_t>(*reinterpret_cast<const volatile long long*>(published_of(base) + field));
+}
 
 constexpr int kScanThreads = 512;  // one block per destination rank scans that rank's column of is_token_in_rank
 
@@ -55,9 +62,12 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
     }
 }
 
-__global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage) {
+__global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, Published publish,
+                               bool has_publish) {
     __shared__ int* peer_flags[kMaxRanks];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
+    // The barrier's fence and release order these stores before this rank's arrival.
+    if (has_publish && threadIdx.x < kNumPublished) published_of(peers.base[rank])[threadIdx.x] = publish.value[threadIdx.x];
     __syncthreads();
     sync::block_barrier(peer_flags, flags_of(peers.base[rank]), epoch, rank, num_ranks, timeout_ns, stage);
 }
@@ -170,11 +180,30 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
                                                                 const char* scales, int scale_row_bytes, const int64_t* topk_idx,
                                                                 const float* topk_weights, int num_topk, int num_local_experts,
                                                                 const bool* is_token_in_rank, const int* send_pos,
-                                                                const int* count_matrix, int num_tokens, DispatchRegions regions) {
+                                                                const int* count_matrix, int num_tokens) {
     __shared__ int base_in_dst[kMaxRanks];
+    __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
+    __shared__ char* dst_scales[kMaxRanks];
+    __shared__ int64_t* dst_topk[kMaxRanks];
+    __shared__ float* dst_weights[kMaxRanks];
+    __shared__ int* dst_src[kMaxRanks];
+    __shared__ int64_t dst_rows[kMaxRanks];
     __shared__ int dst_rank[kWarpsPerBlock][kMaxRanks];
     __shared__ int dst_row[kWarpsPerBlock][kMaxRanks];
-    for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
+    for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+        base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
+        char* data = data_of(peers.base[d]);
+        const auto region = [&](int field) -> char* {
+            const int64_t offset = load_published(peers.base[d], field);
+            return offset < 0 ? nullptr : data + offset;
+        };
+        dst_x[d] = region(kPubRecvX);
+        dst_scales[d] = region(kPubRecvScales);
+        dst_topk[d] = reinterpret_cast<int64_t*>(region(kPubRecvTopk));
+        dst_weights[d] = reinterpret_cast<float*>(region(kPubRecvWeights));
+        dst_src[d] = reinterpret_cast<int*>(region(kPubRecvSrc));
+        dst_rows[d] = load_published(peers.base[d], kPubRecvRows);
+    }
     __syncthreads();
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -189,9 +218,9 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
             if (hit) {
                 const int slot = count + __popc(mask & ((1u << lane) - 1));
                 const int row = base_in_dst[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
-                if (row >= regions.capacity) {
-                    printf("ep_dispatcher: dispatch on rank %d: row %d for rank %d exceeds the buffer's capacity of %d rows; "
-                           "raise num_nvl_bytes\n", rank, row, d, regions.capacity);
+                if (row >= dst_rows[d]) {
+                    printf("ep_dispatcher: dispatch on rank %d: row %d for rank %d exceeds the %lld rows it allocated; "
+                           "raise num_worst_tokens to the worst case\n", rank, row, d, static_cast<long long>(dst_rows[d]));
                     asm volatile("trap;");
                 }
                 dst_rank[warp][slot] = d;
@@ -209,38 +238,35 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
                 x_row_bytes / 16, lane, [&](int64_t i) { return __ldg(src + i); },
                 [&](int64_t i, const int4& v) {
                     for (int j = 0; j < count; ++j) {
-                        char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
+                        char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
                         reinterpret_cast<int4*>(dst)[i] = v;
                     }
                 });
         } else {
             for (int j = 0; j < count; ++j) {
-                char* dst = data_of(peers.base[dst_rank[warp][j]]) + regions.x_offset + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
+                char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
                 warp_copy(dst, x_row, x_row_bytes, lane);
             }
         }
         for (int j = 0; j < count; ++j) {
             const int d = dst_rank[warp][j];
             const int64_t row = dst_row[warp][j];
-            char* data = data_of(peers.base[d]);
             if (scales != nullptr)
-                warp_copy(data + regions.scales_offset + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes,
-                          scale_row_bytes, lane);
+                warp_copy(dst_scales[d] + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes, scale_row_bytes, lane);
             if (topk_idx != nullptr && lane < num_topk) {
                 // Ids become the destination's local ids; experts elsewhere become -1 with weight 0.
                 const int64_t expert = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
                 const bool local = expert >= 0 && expert / num_local_experts == d;
-                reinterpret_cast<int64_t*>(data + regions.topk_offset)[row * num_topk + lane] =
-                    local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
-                reinterpret_cast<float*>(data + regions.weights_offset)[row * num_topk + lane] =
-                    local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+                dst_topk[d][row * num_topk + lane] = local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
+                dst_weights[d][row * num_topk + lane] = local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
             }
-            if (lane == 0) reinterpret_cast<int*>(data + regions.src_offset)[row] = t;
+            if (lane == 0 && dst_src[d] != nullptr) dst_src[d][row] = t;
         }
         __syncwarp();
     }
 }
 
+// The internode engine's receive side (its rows land in a staging area of its NVSHMEM buffer first).
 __global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data, DispatchRegions regions, const int* count_matrix, int rank,
                                                                 int num_ranks, int rows_out, char* recv_x, int x_row_bytes, char* recv_scales,
                                                                 int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights,
@@ -276,11 +302,30 @@ __global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data
     }
 }
 
+__global__ void finish_receive_kernel(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
+                                      int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
+    __shared__ int num_recv;
+    if (threadIdx.x == 0) num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
+    __syncthreads();
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows_out; row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const bool received = row < num_recv;
+        recv_src_idx[row] = received ? src[row] : -1;
+        if (!received && recv_topk_idx != nullptr) {
+            for (int k = 0; k < num_topk; ++k) {
+                recv_topk_idx[row * num_topk + k] = -1;
+                recv_topk_weights[row * num_topk + k] = 0.0f;
+            }
+        }
+    }
+}
+
 __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes,
-                                                                    const float* topk_weights, int num_topk, const int* count_matrix,
-                                                                    CombineRegions regions) {
+                                                                    const float* topk_weights, int num_topk, const int* count_matrix) {
     __shared__ int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
     __shared__ int base_at_src[kMaxRanks];   // where this rank's block starts in source s's send order
+    __shared__ char* src_x[kMaxRanks];        // source s's combine region (published)
+    __shared__ float* src_weights[kMaxRanks];
+    __shared__ int64_t src_rows[kMaxRanks];
     if (threadIdx.x == 0) {
         int total = 0;
         for (int s = 0; s < num_ranks; ++s) {
@@ -293,6 +338,11 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
         int base = 0;
         for (int d = 0; d < rank; ++d) base += count_matrix[s * num_ranks + d];
         base_at_src[s] = base;
+        char* data = data_of(peers.base[s]);
+        src_x[s] = data + load_published(peers.base[s], kPubCombineX);
+        const int64_t weights = load_published(peers.base[s], kPubCombineWeights);
+        src_weights[s] = weights < 0 ? nullptr : reinterpret_cast<float*>(data + weights);
+        src_rows[s] = load_published(peers.base[s], kPubCombineRows);
     }
     __syncthreads();
     const int num_recv = row_begin[num_ranks];
@@ -301,24 +351,22 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
         int src = 0;
         while (row >= row_begin[src + 1]) ++src;
         const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
-        if (back_row >= regions.capacity) {
+        if (back_row >= src_rows[src]) {
             if (lane == 0) {
-                printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the buffer's capacity of %d rows; raise num_nvl_bytes\n",
-                       rank, static_cast<long long>(back_row), src, regions.capacity);
+                printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the %lld rows it allocated\n", rank,
+                       static_cast<long long>(back_row), src, static_cast<long long>(src_rows[src]));
                 asm volatile("trap;");
             }
             continue;
         }
-        char* data = data_of(peers.base[src]);
-        warp_copy(data + regions.x_offset + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes, lane);
-        if (topk_weights != nullptr && lane < num_topk)
-            reinterpret_cast<float*>(data + regions.weights_offset)[back_row * num_topk + lane] =
-                topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        warp_copy(src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes, lane);
+        if (topk_weights != nullptr && src_weights[src] != nullptr && lane < num_topk)
+            src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
     }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char* data, CombineRegions regions, int rank, int num_ranks,
+__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char* x_region, const float* w_region, int rank, int num_ranks,
                                                                       const int* count_matrix, const bool* is_token_in_rank,
                                                                       const int* send_pos, int num_tokens, int hidden, const T* bias0,
                                                                       const T* bias1, T* out, float* out_weights, int num_topk) {
@@ -336,8 +384,6 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int vectors = hidden / V::kElems;
     const int64_t row_bytes = static_cast<int64_t>(hidden) * sizeof(T);
-    const char* x_region = data + regions.x_offset;
-    const float* w_region = reinterpret_cast<const float*>(data + regions.weights_offset);
     for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kWarpsPerBlock) {
         int count = 0;
         for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
@@ -413,13 +459,26 @@ DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_r
     return r;
 }
 
-CombineRegions combine_regions(size_t data_bytes, int x_row_bytes, int num_topk) {
+int64_t dispatch_bytes(int64_t rows, int x_row_bytes, int scale_row_bytes, int num_topk, bool with_src) {
+    return align_up(rows * x_row_bytes, kRegionAlignment) + align_up(rows * scale_row_bytes, kRegionAlignment) +
+           align_up(rows * num_topk * static_cast<int64_t>(sizeof(int64_t)), kRegionAlignment) +
+           align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment) +
+           (with_src ? align_up(rows * static_cast<int64_t>(sizeof(int)), kRegionAlignment) : 0);
+}
+
+int64_t combine_bytes(int64_t rows, int x_row_bytes, int num_topk) {
+    return align_up(rows * x_row_bytes, kRegionAlignment) + align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment);
+}
+
+int dispatch_capacity(int64_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk) {
+    const int64_t per_row = x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
+    const int64_t slack = 5 * kRegionAlignment;  // alignment padding of the five regions
+    return static_cast<int>(std::max<int64_t>(0, (data_bytes - slack) / per_row));
+}
+
+int combine_capacity(int64_t data_bytes, int x_row_bytes, int num_topk) {
     const int64_t per_row = x_row_bytes + static_cast<int64_t>(num_topk) * sizeof(float);
-    CombineRegions r{};
-    r.capacity = static_cast<int>(std::max<int64_t>(0, (static_cast<int64_t>(data_bytes) - 2 * kRegionAlignment) / per_row));
-    r.x_offset = 0;
-    r.weights_offset = align_up(static_cast<int64_t>(r.capacity) * x_row_bytes, kRegionAlignment);
-    return r;
+    return static_cast<int>(std::max<int64_t>(0, (data_bytes - 2 * kRegionAlignment) / per_row));
 }
 
 void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
@@ -442,20 +501,23 @@ void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* 
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, cudaStream_t stream) {
+void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
+             cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
-    barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage);
+    static_assert(kNumPublished <= kNumThreadsPerBlock, "one thread per published field");
+    barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage,
+                                                          publish != nullptr ? *publish : Published{}, publish != nullptr);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
               const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
-              const int* send_pos, const int* count_matrix, int num_tokens, const DispatchRegions& regions, int num_sms, cudaStream_t stream) {
+              const int* send_pos, const int* count_matrix, int num_tokens, int num_sms, cudaStream_t stream) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
     if (num_tokens == 0) return;
     dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreads, 0, stream>>>(
         peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, num_tokens, regions);
+        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, num_tokens);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -469,14 +531,23 @@ void copy_out(const char* data, const DispatchRegions& regions, const int* count
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
-                  const int* count_matrix, const CombineRegions& regions, int num_sms, cudaStream_t stream) {
-    combine_send_kernel<<<num_sms, kDataThreads, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
-                                                              topk_weights, num_topk, count_matrix, regions);
+void finish_receive(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
+                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk, cudaStream_t stream) {
+    if (rows_out == 0) return;
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(rows_out, kNumThreadsPerBlock), kMaxFinishBlocks));
+    finish_receive_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(src, count_matrix, rank, num_ranks, rows_out, recv_src_idx,
+                                                                    recv_topk_idx, recv_topk_weights, num_topk);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_reduce(const char* data, const CombineRegions& regions, int rank, int num_ranks, const int* count_matrix,
+void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
+                  const int* count_matrix, int num_sms, cudaStream_t stream) {
+    combine_send_kernel<<<num_sms, kDataThreads, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
+                                                              topk_weights, num_topk, count_matrix);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_reduce(const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
                     const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
     if (num_tokens == 0) return;
@@ -484,12 +555,12 @@ void combine_reduce(const char* data, const CombineRegions& regions, int rank, i
     if (type == FloatType::kBFloat16) {
         EP_HOST_ASSERT(hidden % Vec<__nv_bfloat16>::kElems == 0, "hidden=", hidden);
         combine_reduce_kernel<__nv_bfloat16><<<grid, kDataThreads, 0, stream>>>(
-            data, regions, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
+            rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
             static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), static_cast<__nv_bfloat16*>(out),
             out_weights, num_topk);
     } else {
         EP_HOST_ASSERT(hidden % Vec<float>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(data, regions, rank, num_ranks, count_matrix, is_token_in_rank,
+        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank,
                                                                         send_pos, num_tokens, hidden, static_cast<const float*>(bias0),
                                                                         static_cast<const float*>(bias1), static_cast<float*>(out),
                                                                         out_weights, num_topk);

@@ -1,16 +1,18 @@
 // Intranode high-throughput dispatch/combine over CUDA-IPC buffers (NVLink between GPUs, or one GPU shared
 // by several processes under MPS).
 //
-// Design: "write once to the final row". After `notify` exchanges the per-rank counts, every rank knows the
+// Design: "write once to the final place". After `notify` exchanges the per-rank counts, every rank knows the
 // full count matrix M[src][dst], so a sender can compute where each of its tokens lands in the receiver's
 // output (rows grouped by source rank ascending, source order kept: row = sum_{s<src} M[s][dst] + position of
-// the token among src's tokens for dst). Senders write tokens straight to that row of the receiver's buffer;
-// after a barrier the receiver copies the filled rows out into torch tensors (the buffer is reused by the next
-// call). No ring buffers, no flow control and no spinning SMs in the data kernels: only the one-block barrier
+// the token among src's tokens for dst). Each receiver takes its output tensors from its receive pool
+// (runtime/recv_pool.h: regions of its CUDA-IPC buffer that the returned tensors own) and publishes their offsets
+// in its signal area at a barrier; senders then write every row straight into the receiver's output tensor. No
+// ring buffers, no copy-out, no flow control and no spinning SMs in the data kernels: only the one-block barrier
 // kernels wait, so any number of ranks can share one GPU without deadlock, whatever num_sms is.
-// Combine mirrors it: each expert-side row is written to the source rank's buffer at the row the source sent it
-// from (source order: destination rank ascending, token order inside), and the source sums a token's rows in
-// destination-rank order in fp32 (bias first): the same order as the reference backend, hence bit-exact.
+// Combine mirrors it: the source publishes a transient region of its pool; each expert-side row is written there at
+// the row the source sent it from (source order: destination rank ascending, token order inside), and the source
+// sums a token's rows in destination-rank order in fp32 (bias first): the same order as the reference backend,
+// hence bit-exact.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,7 +42,26 @@ struct InputError {
     int rank;   // filled by notify: the rank whose input it is
     long long value;  // the bad expert id, or the num_tokens_per_rank entry
 };
-static_assert(kInputErrorOffset + sizeof(InputError) <= kSignalBytes, "signal area too small");
+// Where this call's regions start in a rank's data area, published at the barrier before the data kernels
+// (-1: this call does not write that field). The rows entries bound the writes (a num_worst_tokens overflow traps
+// on the sender instead of overrunning the receiver's tensor).
+enum PublishedField : int {
+    kPubRecvX,
+    kPubRecvScales,
+    kPubRecvTopk,
+    kPubRecvWeights,
+    kPubRecvSrc,
+    kPubRecvRows,
+    kPubCombineX,
+    kPubCombineWeights,
+    kPubCombineRows,
+    kNumPublished
+};
+struct Published {
+    int64_t value[kNumPublished];
+};
+constexpr size_t kPublishedOffset = (kInputErrorOffset + sizeof(InputError) + 63) / 64 * 64;
+static_assert(kPublishedOffset + sizeof(Published) <= kSignalBytes, "signal area too small");
 
 // What a fresh dispatch's count exchange reports to the host, in host-mapped pinned memory that the host polls
 // (no stream sync, no device-to-host copy). `tag` is written last, after everything else is visible.
@@ -56,19 +77,26 @@ struct Peers {
     char* base[kMaxRanks];
 };
 
+// The internode engine's staging area (one dispatch's fields, back to back) and its copy-out.
 // Where the fields of one dispatch live inside a rank's data area (offsets from the data area's start).
 struct DispatchRegions {
     int64_t x_offset, scales_offset, topk_offset, weights_offset, src_offset;
     int capacity;  // rows that fit
 };
 
-struct CombineRegions {
-    int64_t x_offset, weights_offset;
-    int capacity;
-};
-
 DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk);
-CombineRegions combine_regions(size_t data_bytes, int x_row_bytes, int num_topk);
+// Receiver side: copies the received rows out of this rank's data area; rows [num_recv, rows_out) get
+// topk_idx = -1, weight 0, src = -1 (recv_x padding is left unspecified). Traps if num_recv > rows_out.
+void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,
+              void* recv_x, int x_row_bytes, void* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx,
+              float* recv_topk_weights, int num_topk, int* recv_src_idx, int num_sms, cudaStream_t stream);
+
+// Bytes of a rank's data area that `rows` received rows take (each field its own aligned region), and the most
+// rows an empty pool of `data_bytes` holds; the same formulas size the receive-pool reservations.
+int64_t dispatch_bytes(int64_t rows, int x_row_bytes, int scale_row_bytes, int num_topk, bool with_src);
+int64_t combine_bytes(int64_t rows, int x_row_bytes, int num_topk);
+int dispatch_capacity(int64_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk);
+int combine_capacity(int64_t data_bytes, int x_row_bytes, int num_topk);
 
 // Send positions of a fresh dispatch, on the device (no torch scan, no host sync): send_pos[t][d] = tokens before t
 // that go to rank d; counts[d] = tokens that go to d. Also checks the contents the host cannot see without a sync:
@@ -88,31 +116,33 @@ void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* 
             const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix,
             int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream);
 
-// Timed barrier over all ranks (one block).
-void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, cudaStream_t stream);
+// Timed barrier over all ranks (one block). With `publish`, this rank's offsets go to its signal area first.
+void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
+             cudaStream_t stream);
 
-// Sender side: writes every (token, destination) pair into the destination's data area at its final row.
-// topk_idx/topk_weights may be null (then nothing is written for them); scales may be null.
+// Sender side: writes every (token, destination) pair straight into the destination's output regions (published
+// offsets) at its final row. topk_idx/topk_weights may be null (then nothing is written for them); scales may be null.
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
               int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
-              const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, int num_tokens,
-              const DispatchRegions& regions, int num_sms, cudaStream_t stream);
+              const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, int num_tokens, int num_sms,
+              cudaStream_t stream);
 
-// Receiver side: copies the received rows out of this rank's data area; rows [num_recv, rows_out) get
-// topk_idx = -1, weight 0, src = -1 (recv_x padding is left unspecified). Traps if num_recv > rows_out.
-void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,
-              void* recv_x, int x_row_bytes, void* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx,
-              float* recv_topk_weights, int num_topk, int* recv_src_idx, int num_sms, cudaStream_t stream);
+// Receiver side, after the data barrier: recv_src_idx[row] = the source index peers wrote into the transient `src`
+// region, and rows [num_recv, rows_out) get recv_src_idx = -1, topk_idx = -1 and weight 0 (num_worst_tokens padding;
+// recv_x padding is left unspecified). topk outputs may be null.
+void finish_receive(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
+                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk, cudaStream_t stream);
 
-// Expert side of combine: row r (from source s) goes to s's data area at the row s sent it from.
+// Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from.
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
-                  int num_topk, const int* count_matrix, const CombineRegions& regions, int num_sms, cudaStream_t stream);
+                  int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
 
 enum class FloatType : int { kBFloat16 = 0, kFloat32 = 1 };
 
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
-void combine_reduce(const char* data, const CombineRegions& regions, int rank, int num_ranks, const int* count_matrix,
+// rows_x / rows_weights: this rank's combine region (where peers wrote the rows back).
+void combine_reduce(const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,
                     const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk, int num_sms,
                     cudaStream_t stream);

@@ -4,6 +4,13 @@
 
 namespace ep::sync {
 
-enum Stage : int { kStageNotifyCounts = 0, kStageNotifyDone = 1, kStageDispatchData = 2, kStageCombineReady = 3, kStageCombineData = 4 };
+enum Stage : int {
+    kStageNotifyCounts = 0,
+    kStageNotifyDone = 1,
+    kStageDispatchData = 2,
+    kStageCombineReady = 3,
+    kStageCombineData = 4,
+    kStageDispatchReady = 5,
+};
 
 }  // namespace ep::sync

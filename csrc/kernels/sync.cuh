@@ -1,4 +1,5 @@
-// Memory-ordering primitives and the timed cross-rank barrier shared by the intranode kernels.
+// Memory-ordering primitives and the timed cross-rank barrier of the intranode kernels (the 64-bit flags also serve
+// the NVSHMEM engines).
 //
 // Ranks signal each other through int flags in each other's CUDA-IPC buffers. A flag store is a system-scope
 // release (everything this rank wrote before it, to any GPU, is visible before the flag), a flag load is a
@@ -55,6 +56,7 @@ __device__ __forceinline__ const char* stage_name(int stage) {
         case kStageDispatchData: return "dispatch: waiting for peers' token writes";
         case kStageCombineReady: return "combine: waiting for peers to be ready to receive";
         case kStageCombineData: return "combine: waiting for peers' expert outputs";
+        case kStageDispatchReady: return "dispatch: waiting for peers' receive offsets";
         default: return "unknown stage";
     }
 }

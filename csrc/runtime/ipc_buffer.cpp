@@ -1,5 +1,6 @@
 #include "ipc_buffer.h"
 
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -27,6 +28,7 @@ IpcBuffer::IpcBuffer(int rank, int num_ranks, int64_t num_data_bytes, int device
     EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_device_), report_, 0));
     EP_CUDA_CHECK(cudaDeviceSynchronize());
     mapped_.assign(num_ranks, false);
+    pool_ = std::make_shared<RecvPool>(base_ + intranode::kSignalBytes, num_data_bytes, device);
 }
 
 IpcBuffer::~IpcBuffer() {
@@ -69,6 +71,9 @@ void IpcBuffer::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
     cudaSetDevice(device_);
+    // Outputs still alive move to memory of their own before the pool's memory goes away.
+    if (pool_) pool_->evict_all(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
+    pool_.reset();
     cudaDeviceSynchronize();  // no kernel may still touch the memory
     for (int r = 0; r < num_ranks_; ++r)
         if (mapped_[r]) EP_CUDA_CHECK(cudaIpcCloseMemHandle(peers_.base[r]));

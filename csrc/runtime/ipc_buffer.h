@@ -1,15 +1,17 @@
 // One rank's CUDA-IPC buffer for the intranode kernels, and the mapping of every peer's buffer.
 //
-// Layout of each buffer: a signal area (intranode.cuh: barrier flags and counts) followed by the data area that
-// dispatch/combine write rows into. The barrier epoch lives in a separate, private device word so that kernels
+// Layout of each buffer: a signal area (intranode.cuh: barrier flags, counts, published offsets) followed by the data
+// area, the receive pool whose regions the dispatch outputs own and dispatch/combine write rows into. The barrier epoch lives in a separate, private device word so that kernels
 // (and CUDA-graph replays) advance it without the host.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "../kernels/intranode.cuh"
+#include "recv_pool.h"
 
 namespace ep {
 
@@ -32,6 +34,8 @@ class IpcBuffer {
     int device() const { return device_; }
     int64_t data_bytes() const { return data_bytes_; }
     char* local_data() const { return base_ + intranode::kSignalBytes; }
+    // The data area as a pool of regions the returned tensors own (recv_pool.h).
+    RecvPool& pool() const { return *pool_; }
     int* epoch() const { return epoch_; }
     // Host-mapped report of the count exchange (see intranode::CountReport), and the tag of the next report.
     intranode::CountReport* report() const { return report_; }
@@ -47,6 +51,7 @@ class IpcBuffer {
     char* base_ = nullptr;
     int* epoch_ = nullptr;
     intranode::CountReport* report_ = nullptr;
+    std::shared_ptr<RecvPool> pool_;
     intranode::CountReport* report_device_ = nullptr;
     int report_tag_ = 0;
     intranode::Peers peers_{};

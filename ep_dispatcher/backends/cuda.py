@@ -165,6 +165,7 @@ class CudaBackend(ReferenceBackend):
         (
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
             send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
+            sent_rows, most_sent,
         ) = _C.intranode_dispatch_fresh(
             self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
             num_experts or 0, expert_alignment, num_worst_tokens, self._num_sms(config), self.timeout_ns,
@@ -172,7 +173,7 @@ class CudaBackend(ReferenceBackend):
         handle = self._engine_handle(
             buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
             expert_alignment, rank_prefix_matrix=rank_prefix_matrix, count_matrix_host=count_matrix_host,
-            send_pos=send_pos,
+            send_pos=send_pos, sent_rows=sent_rows, most_sent=most_sent,
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
@@ -224,7 +225,7 @@ class CudaBackend(ReferenceBackend):
             handle.num_recv_rows,
             num_sms,
             self.timeout_ns,
-            True,
+            False,  # cached: x and scales only
         )
         return recv_x, recv_scales
 
@@ -235,12 +236,11 @@ class CudaBackend(ReferenceBackend):
         if not (self._uses_engine(x) and state.get("engine") == "cuda" and x.dtype in _COMBINE_DTYPES):
             return super().combine(x, self._reference_view(handle), topk_weights, bias)
         num_sms = self._num_sms(config)
-        host = state["count_matrix_host"]
-        if host is not None:
-            num_topk = 0 if topk_weights is None else topk_weights.size(1)
-            self._check_capacity(
-                host.sum(1).max(), self.ipc.combine_capacity(x.size(1) * x.element_size(), num_topk), "combine"
-            )
+        # Every rank checks the most rows any rank gets back (all know the count matrix), so all raise together.
+        num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        self._check_capacity(
+            state["most_sent"], self.ipc.combine_capacity(x.size(1) * x.element_size(), num_topk), "combine"
+        )
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
         return _C.intranode_combine(
@@ -253,6 +253,7 @@ class CudaBackend(ReferenceBackend):
             state["send_pos"],
             state["count_matrix"],
             handle.num_tokens,
+            state["sent_rows"],
             num_sms,
             self.timeout_ns,
         )

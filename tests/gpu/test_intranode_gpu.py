@@ -40,6 +40,7 @@ def _buffers(world: int):
     cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="cuda", timeout_s=60)
     ref = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="reference")
     assert "dispatch" in cuda.engine_calls
+    cuda._backend.ipc.poison_receive_pool(True)  # outputs live in the receive pool: poison it, not only the allocator
     return cuda, ref
 
 
@@ -246,3 +247,52 @@ def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
         assert (rank == world - 1) == ("on rank" not in range_error), (rank, range_error)
         assert "num_tokens_per_rank: entry" in count_error, (rank, count_error)
         assert "is_token_in_rank sends" in count_error, (rank, count_error)
+
+
+def _lifetime_worker(rank: int, world: int) -> int:
+    """Outputs own their receive-pool regions: they survive any number of later calls (the pool evicts the oldest
+    ones when it runs out of room) and the buffer's destruction, bit for bit."""
+    device = _set_device(rank)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 128, 1024, 4 * world, 2
+    row_bytes = hidden * 2 + topk * 12 + 4
+    # Room for about two dispatches' outputs at most, so that keeping them alive forces evictions.
+    pool_bytes = int(2.5 * num_tokens * world * row_bytes) + (1 << 16)
+    cuda = Buffer(None, num_nvl_bytes=pool_bytes, backend="cuda", timeout_s=60)
+    cuda._backend.ipc.poison_receive_pool(True)
+    kept = []
+    for it in range(6):
+        g = torch.Generator().manual_seed(700 + 10 * it + rank)
+        x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+        topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk].to(device)
+        topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
+        per_rank, _, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = cuda.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, config=config,
+        )
+        cached, *_ = cuda.dispatch(x, handle=handle, config=config)  # a second output of the same shape
+        combined, _, _ = cuda.combine(recv_x, handle, config=config)
+        expected = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        assert torch.equal(combined, expected), f"iteration {it}: combine of the received rows"
+        assert torch.equal(cached, recv_x), f"iteration {it}: cached dispatch"
+        kept.append((recv_x, recv_idx, recv_w, recv_x.clone(), recv_idx.clone(), recv_w.clone()))
+        for j, (a, b, c, a0, b0, c0) in enumerate(kept):
+            same = torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0)
+            assert same, f"output {j} changed at iteration {it}"
+    # A call that cannot fit even in the empty pool raises on every rank (all see the same counts), and nothing hangs.
+    big_idx = torch.randint(0, num_experts, (20 * num_tokens, 1), device=device)
+    big_x = torch.randn((20 * num_tokens, hidden), device=device).to(torch.bfloat16)
+    per_rank, _, _, in_rank, _ = cuda.get_dispatch_layout(big_idx, num_experts)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        cuda.dispatch(big_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, config=config)
+    torch.cuda.synchronize()
+    cuda.destroy()
+    for j, (a, b, c, a0, b0, c0) in enumerate(kept):
+        assert torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0), f"output {j} changed by destroy()"
+    return len(kept)
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_outputs_outlive_later_calls_and_the_buffer(world: int) -> None:
+    assert run(_lifetime_worker, world) == [6] * world
