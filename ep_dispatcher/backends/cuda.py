@@ -58,6 +58,7 @@ class CudaBackend(ReferenceBackend):
         self.ll: Optional["_C.LowLatencyBuffer"] = None
         self.internode: Optional["_C.InternodeBuffer"] = None
         self._internode_capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
+        self._ll_combine_views: dict = {}  # (half, shape) -> the zero-copy combine buffer (a view of the half)
         self._nvshmem_bytes = 0
         if num_rdma_bytes > 0 and _C.has_nvshmem() and low_latency_mode:
             _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
@@ -97,6 +98,7 @@ class CudaBackend(ReferenceBackend):
             self.ipc.destroy()
             self.ipc = None
         if self.ll is not None:
+            self._ll_combine_views.clear()
             self.ll.destroy()
             self.ll = None
         if self.internode is not None:
@@ -390,6 +392,16 @@ class CudaBackend(ReferenceBackend):
         )
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
+    def low_latency_checks_on_device(self, device: torch.device) -> bool:
+        """The low-latency kernels check ``topk_idx`` themselves: ids out of range and experts listed twice by a
+        token are skipped and reported through ``take_low_latency_error`` (no host sync)."""
+        return self.ll is not None and device.type == "cuda"
+
+    def take_low_latency_error(self) -> Optional[tuple]:
+        """``(code, token, k, value)`` of the last bad ``topk_idx`` entry the kernels that have run reported (then
+        cleared), or None; codes in ``validation.low_latency_topk_error``."""
+        return None if self.ll is None else self.ll.take_error()
+
     def low_latency_dispatch(
         self,
         x,
@@ -411,6 +423,7 @@ class CudaBackend(ReferenceBackend):
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
         num_local_experts = num_experts // self.num_ranks
+        # The plan: each (token, k) entry's slot at its expert (the combine's send_slot), then per-expert counts.
         send_slot = self.ll.dispatch_send(half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale)
         src_info = torch.empty((num_local_experts, self.num_ranks * max_tokens), dtype=torch.int32, device=x.device)
         layout_range = torch.empty((num_local_experts, self.num_ranks), dtype=torch.int64, device=x.device)
@@ -453,9 +466,14 @@ class CudaBackend(ReferenceBackend):
     def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
         if self.ll is None or device.type != "cuda":
             return super().low_latency_combine_buffer(half, shape, device)
-        num_local_experts, num_slots, hidden = shape
-        max_tokens = num_slots // self.num_ranks
-        return self.ll.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+        key = (half, tuple(shape))
+        view = self._ll_combine_views.get(key)
+        if view is None:  # a view of the half's send area: made once, asked for on every zero-copy combine
+            num_local_experts, num_slots, hidden = shape
+            max_tokens = num_slots // self.num_ranks
+            view = self.ll.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+            self._ll_combine_views[key] = view
+        return view
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         if self.ll is not None:
