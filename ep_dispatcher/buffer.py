@@ -674,7 +674,9 @@ class Buffer:
 
         Args:
             x: ``[num_tokens, hidden] bfloat16``, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden % 128 == 0.
-            topk_idx: ``[num_tokens, num_topk] int64``, ``-1`` = no expert.
+            topk_idx: ``[num_tokens, num_topk] int64``, ``-1`` = no expert, distinct experts per token. The CUDA
+                kernels check the entries on the GPU (no host sync), skip bad ones and raise ``ValueError`` from the
+                hook or a later low-latency call (docs/low_latency.md).
             use_fp8: cast to FP8 in the kernel (per-128-channel scales ``amax / 448``); ``round_scale`` rounds the
                 scales up to powers of two; ``use_ue8m0`` (needs ``round_scale``, hidden % 512 == 0) packs them as
                 8-bit exponents, four per int32.

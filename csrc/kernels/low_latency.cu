@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kerne
                 if (matches == 0) continue;  // warp-uniform
                 const int token = entry / num_topk;
                 const unsigned below = matches & lanes_below;
-                const int previous_token = below != 0 ? (base + 31 - __clz(below)) / num_topk : last_token;
+                const int previous_token = below != 0 ? (base + kWarpSize - 1 - __clz(below)) / num_topk : last_token;
                 const bool repeat = match && previous_token == token;
                 const unsigned kept = __ballot_sync(kFullMask, match && !repeat);
                 if (match) {
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kerne
                     if (repeat) report_bad_entry(h, kErrorDispatchRepeat, token, entry % num_topk, expert);
                 }
                 count += __popc(kept);
-                last_token = (base + 31 - __clz(matches)) / num_topk;
+                last_token = (base + kWarpSize - 1 - __clz(matches)) / num_topk;
             }
         }
         if (lane == 0) expert_count[expert] = count;

@@ -422,11 +422,11 @@ class CudaBackend(ReferenceBackend):
             )
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
-        num_local_experts = num_experts // self.num_ranks
-        # The plan: each (token, k) entry's slot at its expert (the combine's send_slot), then per-expert counts.
-        send_slot = self.ll.dispatch_send(half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale)
-        src_info = torch.empty((num_local_experts, self.num_ranks * max_tokens), dtype=torch.int32, device=x.device)
-        layout_range = torch.empty((num_local_experts, self.num_ranks), dtype=torch.int64, device=x.device)
+        # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
+        # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
+        send_slot, src_info, layout_range = self.ll.dispatch_send(
+            half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale
+        )
         handle = LowLatencyHandle(
             buffer_id=buffer_id,
             src_info=src_info,

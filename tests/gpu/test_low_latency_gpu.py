@@ -342,10 +342,18 @@ def _bad_ids_worker(rank: int, world: int) -> list:
     def dispatch(ids, **kwargs):
         return lambda: cuda.low_latency_dispatch(x, ids, max_tokens, E, use_fp8=False, **kwargs)
 
-    # Hooked: the send phase has run (synchronized) by the time the hook runs, so the hook raises.
-    _, _, _, _, hook = cuda.low_latency_dispatch(x, out_of_range, max_tokens, E, use_fp8=False, return_recv_hook=True)
-    torch.cuda.synchronize()
-    _expect_one_raise(errors, f"rank {rank} out-of-range id, hooked", [hook], str(E + 5), bad_rank)
+    # Hooked: the send phase has run (synchronized) by the time the hook runs, so the hook raises, unless the GPU was
+    # fast enough for the dispatch call itself to see the record (it then runs its own receive and raises).
+    hooks = []
+
+    def hooked_dispatch():
+        hooks.append(cuda.low_latency_dispatch(x, out_of_range, max_tokens, E, use_fp8=False, return_recv_hook=True)[4])
+
+    def run_hook():
+        if hooks:
+            hooks.pop()()
+
+    _expect_one_raise(errors, f"rank {rank} out-of-range id, hooked", [hooked_dispatch, run_hook], str(E + 5), bad_rank)
     calls = [dispatch(repeated), dispatch(idx)]
     _expect_one_raise(errors, f"rank {rank} repeated expert", calls, "more than once", bad_rank)
 
