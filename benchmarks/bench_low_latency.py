@@ -13,8 +13,8 @@ the table shows, per call (median over --groups groups of --calls back-to-back c
     (so that it measures the receive kernel, not the wait for the slowest peer).
 Eager calls are bound by host time when it exceeds the kernels' (Python, argument checks, launches): the graph
 column is the GPU time of the pair, and 1 - graph / eager is the share of launch and host overhead.
-Inputs are not validated (validate_inputs=False: the topk_idx range check costs one host sync per dispatch) unless
---validate-inputs is given.
+The CUDA engine checks topk_idx in its kernels (no host sync) whatever --validate-inputs says; the flag only
+matters to calls served by the reference implementation.
 Bytes in the field's accounting: dispatch = valid (token, expert) entries sent by the rank x (hidden FP8 bytes +
 hidden/128 fp32 scales); combine = the same entries x hidden BF16 bytes. The limit on one GPU is the device-to-device
 copy bandwidth measured in the same run, and "copy" is the time that copy bandwidth would need for the call's bytes

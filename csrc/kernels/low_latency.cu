@@ -37,7 +37,7 @@ constexpr float kAmaxFloor = 1e-4f;
 constexpr int kLaneChannels = 16;
 constexpr int kStepChannels = kWarpSize * kLaneChannels;
 constexpr int kLanesPerGroup = kFp8GroupSize / kLaneChannels;
-constexpr int kGroupsPerStep = kStepChannels / kFp8GroupSize;
+[[maybe_unused]] constexpr int kGroupsPerStep = kStepChannels / kFp8GroupSize;  // used by the NVSHMEM put path
 constexpr int kSendBatch = 2;  // steps whose loads a warp issues before storing any (their latencies overlap)
 constexpr int kScanBatch = 8;  // topk_idx loads in flight per lane in the plan scan (latency-bound, not bandwidth-bound)
 // Combine send: a warp moves one chunk of a row at a time, the bytes one batched warp copy keeps in flight.
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int H = L.hidden;
     const int steps = ceil_div(H, kStepChannels);
     const int items = num_tokens * steps;
-    bool issued_puts = false;
+    [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
     for (int base = warp; base < items; base += num_warps * kSendBatch) {
         int4 raw[kSendBatch][2];
         int lane_expert[kSendBatch], lane_slot[kSendBatch];
@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int64_t num_slots = static_cast<int64_t>(R) * T;
     const int chunks = static_cast<int>(ceil_div(row_bytes, kChunkBytes));
     const int64_t items = static_cast<int64_t>(start[E_local]) * chunks;
-    bool issued_puts = false;
+    [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
     for (int64_t item = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kSmallWarps) {
         const int row = static_cast<int>(item / chunks), chunk = static_cast<int>(item % chunks);
         const int local_expert = last_at_most(start, E_local, row);
