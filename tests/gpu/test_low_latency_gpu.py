@@ -339,6 +339,24 @@ def _bad_ids_worker(rank: int, world: int) -> list:
         repeated[3, 0] = repeated[3, 1] = 0
     errors: list = []
 
+    # No host sync in any low-latency call (the checks run on the device): a sync inside these calls raises.
+    cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)  # the buffer takes this shape (a one-time clean)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recv, _, handle, _, hook = cuda.low_latency_dispatch(x, idx, max_tokens, E, return_recv_hook=True)
+        hook()
+        y = cuda.get_next_low_latency_combine_buffer(handle)
+        y.copy_((recv[0].float() * recv[1][:, :, :1]).to(torch.bfloat16))
+        _, _, hook = cuda.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True)
+        hook()
+        cuda.low_latency_combine(y, idx, w, cuda.low_latency_dispatch(x, idx, max_tokens, E)[2])
+    except RuntimeError as e:
+        errors.append(f"rank {rank}: a low-latency call synchronised the host: {e}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
     def dispatch(ids, **kwargs):
         return lambda: cuda.low_latency_dispatch(x, ids, max_tokens, E, use_fp8=False, **kwargs)
 
