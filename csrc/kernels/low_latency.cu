@@ -186,9 +186,21 @@ __device__ __forceinline__ void build_prefixes(const Layout& L, int* begin, int*
         for (int r = 0; r < R; ++r) b[r + 1] += b[r];
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        start[0] = 0;
-        for (int le = 0; le < E_local; ++le) start[le + 1] = start[le] + begin[le * (R + 1) + R];
+    if (threadIdx.x < kWarpSize) {  // warp 0 scans the experts' totals, 32 at a time (E_local reaches hundreds at one rank)
+        const int lane = threadIdx.x;
+        int carry = 0;
+        for (int base = 0; base < E_local; base += kWarpSize) {
+            const int le = base + lane;
+            int sum = le < E_local ? begin[le * (R + 1) + R] : 0;
+#pragma unroll
+            for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+                const int below = __shfl_up_sync(kFullMask, sum, offset);
+                if (lane >= offset) sum += below;
+            }
+            if (le < E_local) start[le + 1] = carry + sum;  // inclusive prefix: experts 0..le
+            carry += __shfl_sync(kFullMask, sum, kWarpSize - 1);
+        }
+        if (lane == 0) start[0] = 0;
     }
     __syncthreads();
 }
