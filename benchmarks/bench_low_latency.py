@@ -13,12 +13,15 @@ the table shows, per call (median over --groups groups of --calls back-to-back c
     (so that it measures the receive kernel, not the wait for the slowest peer).
 Eager calls are bound by host time when it exceeds the kernels' (Python, argument checks, launches): the graph
 column is the GPU time of the pair, and 1 - graph / eager is the share of launch and host overhead.
-Inputs are not validated (validate_inputs=False: the topk_idx range check costs one host sync per dispatch) unless
---validate-inputs is given.
+The CUDA engine checks topk_idx in its kernels (no host sync) whatever --validate-inputs says; the flag only
+matters to calls served by the reference implementation.
 Bytes in the field's accounting: dispatch = valid (token, expert) entries sent by the rank x (hidden FP8 bytes +
 hidden/128 fp32 scales); combine = the same entries x hidden BF16 bytes. The limit on one GPU is the device-to-device
 copy bandwidth measured in the same run, and "copy" is the time that copy bandwidth would need for the call's bytes
 (read + write); "launch" is the measured cost of one empty kernel launch.
+"SM %" is the share of the GPU's SMs one rank's call occupies: its widest kernel's grid in 512-thread block
+equivalents (one per SM) over the SM count; "all SM %" is that times the ranks sharing the GPU (their kernels run
+at once under MPS).
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     if "low_latency_dispatch" not in buffer.engine_calls:
         raise SystemExit("the CUDA engine has no low-latency kernels here (built without NVSHMEM?)")
     copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    ranks_on_gpu = -(-world // torch.cuda.device_count())
     launch_us = _launch_us(device)
     rows = {}
     for tokens in sweep:
@@ -174,7 +179,10 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         graph_pair_us = _median_us(graph.replay, 1, args.groups) / args.calls
         phases = _phases_us(buffer, x, topk_idx, topk_weights, tokens, experts, args.gap_us, args.groups)
         del graph
+        grid_blocks = buffer._backend.ll.grid_blocks(tokens, tokens, experts, hidden)
         rows[tokens] = dict(
+            sm_share=grid_blocks / sm_count,
+            all_sm_share=min(1.0, grid_blocks * ranks_on_gpu / sm_count),
             entries=entries,
             dispatch_bytes=dispatch_bytes,
             combine_bytes=combine_bytes,
@@ -217,7 +225,8 @@ def main(argv=None) -> int:
     )
     header = (
         f"{'tokens':>6} {'dispatch':>9} {'combine':>8} {'graph d+c':>9} {'d send':>7} {'d recv':>7} {'c send':>7} "
-        f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14} {'host %':>6}"
+        f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14} "
+        f"{'copy/graph':>10} {'host %':>6} {'SM %':>5} {'all SM %':>8}"
     )
     print(header)
     summary = {}
@@ -234,7 +243,9 @@ def main(argv=None) -> int:
             f"{worst['dispatch_send']:>7.1f} {worst['dispatch_recv']:>7.1f} {worst['combine_send']:>7.1f} "
             f"{worst['combine_recv']:>7.1f} {rank_d_gbps:>9.1f} {rank_c_gbps:>9.1f} "
             f"{d_bytes / (worst['dispatch_us'] * 1e3):>13.1f} {copy_limit_us:>14.1f} "
-            f"{100 * max(0.0, 1 - worst['graph_pair_us'] / worst['eager_pair_us']):>6.0f}"
+            f"{100 * copy_limit_us / worst['graph_pair_us']:>9.0f}% "
+            f"{100 * max(0.0, 1 - worst['graph_pair_us'] / worst['eager_pair_us']):>6.0f} "
+            f"{100 * worst['sm_share']:>5.0f} {100 * worst['all_sm_share']:>8.0f}"
         )
         summary[tokens] = dict(
             worst,
@@ -243,6 +254,7 @@ def main(argv=None) -> int:
             aggregate_dispatch_bytes=d_bytes,
             aggregate_combine_bytes=c_bytes,
             copy_limit_pair_us=copy_limit_us,
+            floor_ratio=copy_limit_us / worst["graph_pair_us"],
             launch_overhead_share=max(0.0, 1 - worst["graph_pair_us"] / worst["eager_pair_us"]),
         )
     print(f"published (dispatch, combine) µs at 128 tokens, real NVLink/RDMA: {PUBLISHED_US}")

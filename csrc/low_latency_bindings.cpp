@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kernels/common.cuh"
@@ -39,6 +40,12 @@ class LowLatencyBuffer {
         EP_CUDA_CHECK(cudaMemcpy(peer_base_, peers.data(), num_ranks * sizeof(int64_t), cudaMemcpyHostToDevice));
         EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(low_latency::State)));
         EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(low_latency::State)));
+        // The kernels' error record lives in host-mapped pinned memory: the host reads it without a sync.
+        void* error = nullptr;
+        EP_CUDA_CHECK(cudaHostAlloc(&error, sizeof(unsigned long long), cudaHostAllocMapped));
+        error_host_ = static_cast<volatile unsigned long long*>(error);
+        *error_host_ = 0;
+        EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error, 0));
     }
 
     int num_direct_peers() const { return num_direct_peers_; }
@@ -55,21 +62,28 @@ class LowLatencyBuffer {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
         TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
         return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_,
-                                 max_blocks_, state_, timeout_ns_};
+                                 max_blocks_, state_, timeout_ns_, error_device_};
     }
 
-    at::Tensor dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
-                             bool use_fp8, bool round_scale) {
+    // Launches the send phase. Returns (plan, src_info, layout_range): the plan is int32 [num_tokens * num_topk +
+    // num_experts], each (token, k) entry's slot at its expert (-1: skipped), then each expert's count (the combine reads
+    // the slots); src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors, filled by
+    // the receive phase. Allocated here (one entry per call, no Python-side allocations).
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                 int64_t max_tokens, int64_t num_experts, bool use_fp8, bool round_scale) {
         const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         check(x, "x");
         check(topk_idx, "topk_idx");
         const auto L = layout(max_tokens, num_experts, x.size(1));
         const auto h = half(half_index, L);
         const int num_tokens = static_cast<int>(x.size(0)), num_topk = static_cast<int>(topk_idx.size(1));
-        at::Tensor send_slot = at::empty({num_tokens, num_topk}, topk_idx.options().dtype(at::kInt));
+        const auto int_options = topk_idx.options().dtype(at::kInt);
+        at::Tensor plan = at::empty({int64_t(num_tokens) * num_topk + num_experts}, int_options);
+        at::Tensor src_info = at::empty({L.num_local_experts, int64_t(num_ranks_) * max_tokens}, int_options);
+        at::Tensor layout_range = at::empty({L.num_local_experts, int64_t(num_ranks_)}, topk_idx.options());
         low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
-                                   send_slot.data_ptr<int>(), stream());
-        return send_slot;
+                                   plan.data_ptr<int>(), stream());
+        return {plan, src_info, layout_range};
     }
 
     void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
@@ -113,6 +127,25 @@ class LowLatencyBuffer {
         return at::from_blob(h.local + L.send_offset(), {L.num_local_experts, int64_t(num_ranks_) * max_tokens, hidden}, options);
     }
 
+    // The kernels' last error record as (code, token, k, value) and clears it, or None. No sync: it reports what the
+    // kernels that have run so far found (low_latency.cuh: ErrorCode).
+    py::object take_error() {
+        if (error_host_ == nullptr) return py::none();
+        const unsigned long long record = *error_host_;
+        if (record == 0) return py::none();
+        *error_host_ = 0;
+        const int code = static_cast<int>(record >> low_latency::kErrorCodeShift);
+        const int k = static_cast<int>((record >> low_latency::kErrorKShift) & low_latency::kErrorKMask);
+        const int token = static_cast<int>((record >> low_latency::kErrorTokenShift) & low_latency::kErrorTokenMask);
+        const int64_t value = static_cast<int32_t>(static_cast<uint32_t>(record));
+        return py::make_tuple(code, token, k, value);
+    }
+
+    // The widest grid of a dispatch or combine of `num_tokens` tokens, in 512-thread block equivalents.
+    int grid_blocks(int64_t num_tokens, int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
+        return low_latency::widest_grid_blocks(layout(max_tokens, num_experts, hidden), max_blocks_, static_cast<int>(num_tokens));
+    }
+
     // Collective: zero the whole buffer and the epochs (after the ranks' previous work has finished).
     void clean() {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
@@ -134,6 +167,8 @@ class LowLatencyBuffer {
         base_ = nullptr;
         cudaFree(peer_base_);
         cudaFree(state_);
+        cudaFreeHost(const_cast<unsigned long long*>(error_host_));
+        error_host_ = nullptr;
     }
 
    private:
@@ -150,6 +185,8 @@ class LowLatencyBuffer {
     uint8_t* base_ = nullptr;
     int64_t* peer_base_ = nullptr;
     low_latency::State* state_ = nullptr;
+    volatile unsigned long long* error_host_ = nullptr;  // written by the kernels (one 8-byte store per record)
+    unsigned long long* error_device_ = nullptr;
 };
 
 }  // namespace
@@ -166,6 +203,9 @@ void register_low_latency(py::module_& m) {
         .def("combine_send", &LowLatencyBuffer::combine_send, py::call_guard<py::gil_scoped_release>())
         .def("combine_recv", &LowLatencyBuffer::combine_recv, py::call_guard<py::gil_scoped_release>())
         .def("combine_buffer", &LowLatencyBuffer::combine_buffer)
+        .def("take_error", &LowLatencyBuffer::take_error)
+        .def("grid_blocks", &LowLatencyBuffer::grid_blocks, py::arg("num_tokens"), py::arg("max_tokens"), py::arg("num_experts"),
+             py::arg("hidden"))
         .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
         .def("destroy", &LowLatencyBuffer::destroy, py::call_guard<py::gil_scoped_release>());
     m.def(

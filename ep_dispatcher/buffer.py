@@ -25,6 +25,7 @@ from .validation import (
     check_tensor,
     check_topk_idx_range,
     is_capturing,
+    low_latency_topk_error,
     split_fp8,
 )
 
@@ -66,7 +67,8 @@ class Buffer:
         timeout_s: how long a kernel waits for a peer before failing with rank and stage (default: env
             ``EP_DISPATCHER_TIMEOUT_S`` or 100 s).
         validate_inputs: also check values that live on the device (``topk_idx`` range); costs one host
-            sync per call on a GPU and is skipped automatically during CUDA-graph capture.
+            sync per call on a GPU and is skipped automatically during CUDA-graph capture. The low-latency kernels
+            check ``topk_idx`` on the device instead (always, no sync; see ``low_latency_dispatch``).
     """
 
     num_sms: int = 20
@@ -146,6 +148,7 @@ class Buffer:
         self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
         self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
         self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
+        self._ll_sized_shapes: set = set()  # shapes _check_low_latency has found the buffer large enough for
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -230,7 +233,7 @@ class Buffer:
         if topk_idx.size(1) > NUM_MAX_TOPK or topk_idx.size(1) < 1:
             raise ValueError(f"topk_idx: expected 1 <= num_topk <= {NUM_MAX_TOPK}, got num_topk={topk_idx.size(1)}")
         # The entries' range is a content check: where the engine makes it on the device (raised where the host waits
-        # anyway), a host-side check would only add a sync.
+        # anyway, or from the next low-latency call or hook), a host-side check would only add a sync.
         if self.validate_inputs and not self._backend.checks_topk_idx_on_device(call, topk_idx):
             check_topk_idx_range(topk_idx, num_experts, distinct=distinct)
         return topk_idx
@@ -543,6 +546,9 @@ class Buffer:
     def _check_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency calls need Buffer(..., low_latency_mode=True, num_rdma_bytes=...)")
+        shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if shape in self._ll_sized_shapes:  # checked before: the size hint is Python arithmetic worth skipping per call
+            return
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
         if hidden % 128 != 0:
@@ -557,6 +563,23 @@ class Buffer:
                 f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
                 f"with num_rdma_bytes={self.num_rdma_bytes}"
             )
+        self._ll_sized_shapes.add(shape)
+
+    def _raise_low_latency_error(self, pending_hook: Optional[Callable[[], None]] = None) -> None:
+        """Raise the ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel has reported, if any.
+
+        The record sits in host-mapped memory, so reading it costs no sync; it is read after each low-latency launch
+        and in each hook. The call that raises has launched all its kernels, and ``pending_hook`` (its own receive
+        phase) is run first, so the peers' kernels never wait for this rank: the ranks stay in step.
+        """
+        take = getattr(self._backend, "take_low_latency_error", None)
+        found = take() if take is not None else None
+        if found is None:
+            return
+        if pending_hook is not None:
+            pending_hook()
+        num_experts = self._ll_shape[2] if self._ll_shape is not None else 0
+        raise low_latency_topk_error(*found, num_experts=num_experts)
 
     def _enter_low_latency_shape(self, shape: tuple) -> None:
         # The buffer is laid out per (max_tokens, hidden, num_experts), signals at shape-dependent offsets: a call of
@@ -613,6 +636,7 @@ class Buffer:
             state["called"] = True
             self._ll_half_pending[half] = False
             receive()
+            self._raise_low_latency_error()
 
         return hook
 
@@ -633,7 +657,9 @@ class Buffer:
 
         Args:
             x: ``[num_tokens, hidden] bfloat16``, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden % 128 == 0.
-            topk_idx: ``[num_tokens, num_topk] int64``, ``-1`` = no expert.
+            topk_idx: ``[num_tokens, num_topk] int64``, ``-1`` = no expert, distinct experts per token. The CUDA
+                kernels check the entries on the GPU (no host sync), skip bad ones and raise ``ValueError`` from the
+                hook or a later low-latency call (docs/low_latency.md).
             use_fp8: cast to FP8 in the kernel (per-128-channel scales ``amax / 448``); ``round_scale`` rounds the
                 scales up to powers of two; ``use_ue8m0`` (needs ``round_scale``, hidden % 512 == 0) packs them as
                 8-bit exponents, four per int32.
@@ -656,7 +682,10 @@ class Buffer:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
             )
-        self._check_topk_idx(topk_idx, num_tokens, num_experts, x.device, distinct=True)
+        self._check_topk_idx(
+            topk_idx, num_tokens, num_experts, x.device, distinct=True,
+            call="low_latency",
+        )
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (UE8M0 stores power-of-two scales only)")
         if use_ue8m0 and hidden % 512 != 0:
@@ -708,6 +737,7 @@ class Buffer:
             handle.received = True
 
         hook = self._make_hook(finish, return_recv_hook, half)
+        self._raise_low_latency_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count, handle, event, hook
@@ -764,7 +794,10 @@ class Buffer:
                     "get_next_low_latency_combine_buffer(handle) just before this call"
                 )
         shape = (handle.num_tokens, handle.num_topk)
-        self._check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, x.device)
+        self._check_topk_idx(
+            topk_idx, handle.num_tokens, handle.num_experts, x.device,
+            call="low_latency",
+        )
         if tuple(topk_idx.shape) != shape:
             raise ValueError(f"topk_idx: expected shape {list(shape)} (as dispatched), got {list(topk_idx.shape)}")
         check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=shape, device=x.device)
@@ -776,6 +809,7 @@ class Buffer:
         half = self._take_low_latency_half()
         receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
         hook = self._make_hook(lambda: receive(out), return_recv_hook, half)
+        self._raise_low_latency_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook
 

@@ -80,6 +80,35 @@ def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int, distinct: boo
         )
 
 
+# Codes of the low-latency kernels' error record (csrc/kernels/low_latency.cuh, ErrorCode).
+LL_ERROR_DISPATCH_RANGE, LL_ERROR_DISPATCH_REPEAT, LL_ERROR_COMBINE_RANGE = 1, 2, 3
+_INT32_LIMITS = (-(2**31), 2**31 - 1)  # the record holds the bad value as int32, clamped
+
+
+def low_latency_topk_error(code: int, token: int, k: int, value: int, num_experts: int) -> ValueError:
+    """The ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel found (and skipped) on the GPU.
+
+    The kernels check on the device instead of syncing the host; the host reads their record without a sync after
+    its next low-latency launch, so the error names an entry of an earlier call (that call's outputs miss the entry).
+    """
+    where = f"token {token}, k {k}"
+    found = (
+        "; found on the GPU by the low-latency {call} kernel, which skipped the entry (raised at the first "
+        "low-latency call or hook after it ran; its outputs lack that entry)"
+    )
+    if code == LL_ERROR_DISPATCH_REPEAT:
+        return ValueError(
+            f"topk_idx: token {token} lists an expert more than once (expert {value} again at k {k}); "
+            "low-latency calls expect distinct experts per token (-1 may repeat)" + found.format(call="dispatch")
+        )
+    shown = f"{value} or beyond" if value in _INT32_LIMITS else str(value)
+    call = "combine" if code == LL_ERROR_COMBINE_RANGE else "dispatch"
+    return ValueError(
+        f"topk_idx: expected entries in [-1, {num_experts}) (-1 = no expert), got {shown} ({where})"
+        + found.format(call=call)
+    )
+
+
 def split_fp8(name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``x`` or ``(x_fp8, scales)`` -> ``(data, scales or None)``, checking the FP8 pair's form."""
     if isinstance(x, (tuple, list)):

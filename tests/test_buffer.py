@@ -384,6 +384,46 @@ def test_low_latency_hook_matches_one_shot(group):
     assert torch.equal(out_a, out_b)
 
 
+def test_low_latency_device_reported_topk_errors(group):
+    """The CUDA engine checks topk_idx in its kernels (no host sync) and leaves a record in host-mapped memory; Buffer
+    raises ValueError after the call's launches (running the call's own receive first, so peers never wait) or from a
+    hook. Simulated here on the reference backend with a backend that claims device checks."""
+    buf = _buffer()
+    x, topk_idx, topk_weights = _routing(5)
+    reports = []
+    buf._backend.low_latency_checks_on_device = lambda device: True
+    buf._backend.take_low_latency_error = lambda: reports.pop() if reports else None
+
+    reports.append((1, 3, 1, 300))
+    pattern = r"topk_idx: expected entries in \[-1, 8\) \(-1 = no expert\), got 300 \(token 3, k 1\)"
+    with pytest.raises(ValueError, match=pattern):
+        buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)
+    assert buf.num_pending_low_latency_hooks == 0, "the raising call ran its own receive phase first"
+
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+    reports.append((2, 0, 1, 5))
+    with pytest.raises(ValueError, match=r"topk_idx: token 0 lists an expert more than once \(expert 5 again at k 1\)"):
+        hook()
+    assert handle.received and buf.num_pending_low_latency_hooks == 0
+
+    reports.append((3, 2, 0, -7))
+    pattern = r"got -7 \(token 2, k 0\); found on the GPU by the low-latency combine kernel"
+    with pytest.raises(ValueError, match=pattern):
+        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle, return_recv_hook=True)
+    assert buf.num_pending_low_latency_hooks == 0
+    out, _, _ = buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)  # the next call works
+    assert out.shape == (N, H)
+
+
+def test_low_latency_topk_error_messages():
+    from ep_dispatcher.validation import low_latency_topk_error
+
+    huge = low_latency_topk_error(1, 4, 0, 2**31 - 1, 256)
+    assert isinstance(huge, ValueError)
+    assert "got 2147483647 or beyond (token 4, k 0)" in str(huge) and "low-latency dispatch kernel" in str(huge)
+    assert "[-1, 256)" in str(low_latency_topk_error(3, 0, 2, -2, 256))
+
+
 # ---------------------------------------------------------------- helpers
 def test_config_validation_and_hints():
     with pytest.raises(ValueError, match=r"Config.num_sms: expected an even number"):

@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "kernels/common.cuh"
 #include "kernels/copy.cuh"
@@ -16,15 +17,31 @@ namespace ep::low_latency {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kThreads = 512;  // 16 warps: the receive kernels (a block per local expert, a warp per message) and the sum
+constexpr int kThreads = 512;  // 16 warps: the receive kernel (a warp per message) and the sum
 constexpr int kWarps = kThreads / kWarpSize;
-// The warp-per-item kernels (cast, send, combine send) run in small blocks: the same threads over 4x the SMs, so a
+// The warp-per-item kernels (plan, send, combine send) run in small blocks: the same threads over 4x the SMs, so a
 // few hundred warps spread over the GPU instead of piling onto max_blocks SMs. Their grids stay within the thread
-// budget of max_blocks full blocks, so all ranks' kernels on one GPU remain co-resident.
+// budget of max_blocks full blocks, and their registers are capped so that kSmallPerFull of them fit on one SM: all
+// ranks' kernels on one GPU remain co-resident.
 constexpr int kSmallThreads = 128;
 constexpr int kSmallWarps = kSmallThreads / kWarpSize;
 constexpr int kSmallPerFull = kThreads / kSmallThreads;
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// FP8 cast (bit-exact with ep_dispatcher.fp8): scale = max(amax, floor) / 448, true division.
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+// Token-parallel send: a warp step covers one token's kStepChannels channels, kLaneChannels per lane (two 16-byte BF16
+// vectors, one 16-byte FP8 vector), so a 128-channel FP8 group is kLanesPerGroup lanes and a step kGroupsPerStep groups.
+constexpr int kLaneChannels = 16;
+constexpr int kStepChannels = kWarpSize * kLaneChannels;
+constexpr int kLanesPerGroup = kFp8GroupSize / kLaneChannels;
+[[maybe_unused]] constexpr int kGroupsPerStep = kStepChannels / kFp8GroupSize;  // used by the NVSHMEM put path
+constexpr int kSendBatch = 2;  // steps whose loads a warp issues before storing any (their latencies overlap)
+constexpr int kScanBatch = 8;  // topk_idx loads in flight per lane in the plan scan (latency-bound, not bandwidth-bound)
+// Combine send: a warp moves one chunk of a row at a time, the bytes one batched warp copy keeps in flight.
+constexpr int64_t kChunkBytes = int64_t(kCopyBatch) * kCopyLanes * 16;
 
 // ------------------------------------------------------------------ signals
 __device__ __forceinline__ int4 load_nc(const int4* ptr) {
@@ -33,13 +50,18 @@ __device__ __forceinline__ int4 load_nc(const int4* ptr) {
     return v;
 }
 
-// Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this warp's earlier writes to
-// that PE: a release store through the peer mapping, or an NVSHMEM fence + signal. Called by one lane.
+// The address of `local` (a symmetric address in this half) on PE `pe` through the peer mapping (peer_base[pe] != 0).
+template <typename T>
+__device__ __forceinline__ T* peer_address(const Half& h, T* local, int pe) {
+    return reinterpret_cast<T*>(h.peer_base[pe] + h.half_offset + (reinterpret_cast<const uint8_t*>(local) - h.local));
+}
+
+// Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this thread's earlier writes
+// (and those it has observed) to that PE: a release store through the peer mapping, or an NVSHMEM fence + signal.
 __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uint64_t value, int pe) {
-    const int64_t peer = h.peer_base[pe];
-    if (peer != 0) {
+    if (h.peer_base[pe] != 0) {
         __threadfence_system();
-        sync::store_release_sys(reinterpret_cast<uint64_t*>(peer + h.half_offset + (reinterpret_cast<uint8_t*>(signal) - h.local)), value);
+        sync::store_release_sys(peer_address(h, signal, pe), value);
         return;
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
@@ -52,9 +74,8 @@ __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uin
 // `pe`, by the whole warp: stores through the peer mapping, or a non-blocking NVSHMEM put (src must then be
 // symmetric too; it is always staged in the half's send area).
 __device__ __forceinline__ void warp_copy_to_peer(const Half& h, uint8_t* dst, const uint8_t* src, int64_t bytes, int pe, int lane) {
-    const int64_t peer = h.peer_base[pe];
-    if (peer != 0) {
-        int4* out = reinterpret_cast<int4*>(peer + h.half_offset + (dst - h.local));
+    if (h.peer_base[pe] != 0) {
+        int4* out = peer_address(h, reinterpret_cast<int4*>(dst), pe);
         const int4* in = reinterpret_cast<const int4*>(src);
         warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return load_nc(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
         return;
@@ -69,16 +90,6 @@ __device__ __forceinline__ void quiet_puts(const Half& h, int pe) {
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     if (h.peer_base[pe] == 0) nvshmem_quiet();
 #endif
-}
-
-// Called by the whole warp before its lane 0 signals `pe`: every lane's data reaches `pe` first. Direct stores
-// need a system fence per lane; NVSHMEM puts are completed by each issuing lane (fence ordering is per thread).
-__device__ __forceinline__ void complete_warp_writes(const Half& h, int pe) {
-    __threadfence_system();
-#ifdef EP_DISPATCHER_WITH_NVSHMEM
-    if (h.peer_base[pe] == 0) nvshmem_quiet();
-#endif
-    __syncwarp();
 }
 
 __device__ __forceinline__ uint64_t make_signal(unsigned long long epoch, uint32_t low) {
@@ -111,30 +122,102 @@ __device__ __forceinline__ uint64_t* combine_signals(const Layout& L, const Half
 }
 __device__ __forceinline__ uint64_t* acks(const Layout& L, const Half& h) { return reinterpret_cast<uint64_t*>(h.local + L.ack_offset()); }
 
-// Before a sender writes into `pe`'s half again, `pe` must have read the half's previous use (epoch - 1).
-__device__ __forceinline__ void wait_ack(const Layout& L, const Half& h, unsigned long long next_epoch, int pe, const char* stage) {
-    if (next_epoch > 1) wait_signal(acks(L, h) + pe, next_epoch - 1, h, stage, pe, -1);
+// Run by a whole block before it writes into peers' halves: every peer has read this half's previous use (epoch - 1).
+// Every sender writes (at least a signal) to every peer, so every block waits for every ack; after the first block
+// the waits find them set.
+__device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, unsigned long long next_epoch, const char* stage) {
+    if (next_epoch > 1)
+        for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) wait_signal(acks(L, h) + pe, next_epoch - 1, h, stage, pe, -1);
+    __syncthreads();  // the acquiring threads' view passes to the whole block
 }
 
-// Run by every block at the end of a receive kernel: the last block to finish advances the half's epoch and
-// tells every sender that this rank has read the half.
-__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch) {
+// Called by every thread of every block at the end of its work: true in the last block to arrive. Each thread fences
+// its own writes (peer stores: system scope) before its block arrives, so they are ordered before whatever the last
+// block writes next (its signals). The counter is reset for the next kernel of this half.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter) {
     __shared__ bool is_last;
+    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd(&h.state->arrived[h.half], 1u) == gridDim.x - 1;
+        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            *counter = 0;
+            __threadfence_system();
+        }
     }
     __syncthreads();
-    if (!is_last) return;
-    if (threadIdx.x == 0) {
-        h.state->arrived[h.half] = 0;
-        h.state->epoch[h.half] = epoch;
-    }
+    return is_last;
+}
+
+// End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
+// has read the half.
+__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch) {
+    if (!arrive_last(&h.state->arrived[h.half])) return;
+    if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
     for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
         signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
+}
+
+// A bad topk_idx entry: skipped by the kernels, reported to the host as one record (later reports overwrite earlier
+// ones; each is whole). The host reads it after its next launch (no sync) and raises.
+__device__ __forceinline__ void report_bad_entry(const Half& h, ErrorCode code, int token, int k, int64_t value) {
+    const int64_t clamped = value < INT_MIN ? INT_MIN : (value > INT_MAX ? INT_MAX : value);
+    const uint64_t record = (static_cast<uint64_t>(code) << kErrorCodeShift) |
+                            ((static_cast<uint64_t>(k) & kErrorKMask) << kErrorKShift) |
+                            (static_cast<uint64_t>(min(token, static_cast<int>(kErrorTokenMask))) << kErrorTokenShift) |
+                            static_cast<uint32_t>(static_cast<int32_t>(clamped));
+    *reinterpret_cast<volatile unsigned long long*>(h.error) = record;
+}
+
+// Exclusive prefixes of the per-(local expert, source rank) counts, in shared memory:
+//   begin[le * (R + 1) + r]: first slot of source r in expert le (r == R: the expert's total);
+//   start[le]: first item of expert le when all experts' slots are numbered one after another (start[E_local] = all).
+// `count(i)` gives the count of pair i = le * R + r (waiting for it if need be). Run by the whole block.
+template <typename Count>
+__device__ __forceinline__ void build_prefixes(const Layout& L, int* begin, int* start, Count&& count) {
+    const int R = L.num_ranks, E_local = L.num_local_experts;
+    for (int i = threadIdx.x; i < E_local * R; i += blockDim.x) begin[(i / R) * (R + 1) + i % R + 1] = count(i);
+    __syncthreads();
+    for (int le = threadIdx.x; le < E_local; le += blockDim.x) {
+        int* b = begin + le * (R + 1);
+        b[0] = 0;
+        for (int r = 0; r < R; ++r) b[r + 1] += b[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < kWarpSize) {  // warp 0 scans the experts' totals, 32 at a time (E_local reaches hundreds at one rank)
+        const int lane = threadIdx.x;
+        int carry = 0;
+        for (int base = 0; base < E_local; base += kWarpSize) {
+            const int le = base + lane;
+            int sum = le < E_local ? begin[le * (R + 1) + R] : 0;
+#pragma unroll
+            for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+                const int below = __shfl_up_sync(kFullMask, sum, offset);
+                if (lane >= offset) sum += below;
+            }
+            if (le < E_local) start[le + 1] = carry + sum;  // inclusive prefix: experts 0..le
+            carry += __shfl_sync(kFullMask, sum, kWarpSize - 1);
+        }
+        if (lane == 0) start[0] = 0;
+    }
+    __syncthreads();
+}
+
+// The last index i in [0, n) with values[i] <= key (values ascending, values[0] <= key < values[n]).
+__device__ __forceinline__ int last_at_most(const int* values, int n, int key) {
+    int found = 0;
+    for (int lo = 0, hi = n - 1; lo <= hi;) {
+        const int mid = (lo + hi) / 2;
+        if (values[mid] <= key) found = mid, lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return found;
+}
+
+size_t prefix_shared_bytes(const Layout& L) {
+    return (static_cast<size_t>(L.num_local_experts) * (L.num_ranks + 1) + L.num_local_experts + 1) * sizeof(int);
 }
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
@@ -144,251 +227,335 @@ __device__ __forceinline__ float round_up_pow2(float scale) {
     return __uint_as_float((bits & 0xff800000u) + 0x800000u);
 }
 
-// One warp casts (or copies) one token into its staged message: header, payload, then fp32 scales.
-template <bool kUseFP8>
-__device__ void stage_token(const Layout& L, const __nv_bfloat16* row, uint8_t* msg, int token, bool round_scale, int lane) {
-    if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(token, 0, 0, 0);
-    uint8_t* payload = msg + kHeaderBytes;
-    const int H = L.hidden;
-    if constexpr (!kUseFP8) {
-        const int4* in = reinterpret_cast<const int4*>(row);
-        int4* out = reinterpret_cast<int4*>(payload);
-        warp_copy_batched(H / 8, lane, [&](int64_t i) { return load_nc(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
-    } else {
-        float* scales = reinterpret_cast<float*>(payload + H);
-        // A half-warp covers one 128-channel group, 8 channels per lane: 256 channels per warp step; the loads of
-        // kCastBatch steps are issued before any is used (one memory latency per batch, not per step).
-        constexpr int kCastBatch = 4;
-        for (int batch = 0; batch < H; batch += kCastBatch * 2 * kFp8GroupSize) {
-            int4 raw[kCastBatch];
+// Casts this lane's 16 channels (two 16-byte BF16 vectors) to FP8 with the scale of their 128-channel group (amax
+// reduced over the group's kLanesPerGroup lanes; every lane of the warp must call it). Returns the 16 FP8 bytes.
+__device__ __forceinline__ int4 cast_to_fp8(const int4 (&raw)[2], bool active, bool round_scale, float& scale) {
+    float v[kLaneChannels];
+    float amax = 0.f;
 #pragma unroll
-            for (int u = 0; u < kCastBatch; ++u) {
-                const int channel = batch + u * 2 * kFp8GroupSize + lane * 8;
-                if (channel < H) raw[u] = load_nc(reinterpret_cast<const int4*>(row + channel));
-            }
+    for (int i = 0; i < 2; ++i) {
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
 #pragma unroll
-            for (int u = 0; u < kCastBatch; ++u) {
-                const int channel = batch + u * 2 * kFp8GroupSize + lane * 8;
-                const bool active = channel < H;
-                float v[8];
-                float amax = 0.f;
-                if (active) {
-                    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float2 f = __bfloat1622float2(pairs[j]);
-                        v[2 * j] = f.x;
-                        v[2 * j + 1] = f.y;
-                    }
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-                }
-#pragma unroll
-                for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-                if (!active) continue;
-                float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-                if (round_scale) scale = round_up_pow2(scale);
-                uint32_t packed[2];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-                        make_float2(__fdiv_rn(v[4 * j], scale), __fdiv_rn(v[4 * j + 1], scale)), __NV_SATFINITE, __NV_E4M3);
-                    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-                        make_float2(__fdiv_rn(v[4 * j + 2], scale), __fdiv_rn(v[4 * j + 3], scale)), __NV_SATFINITE, __NV_E4M3);
-                    packed[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-                }
-                *reinterpret_cast<uint2*>(payload + channel) = make_uint2(packed[0], packed[1]);
-                if ((lane & 15) == 0) scales[channel / kFp8GroupSize] = scale;
-            }
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(pairs[j]);
+            v[8 * i + 2 * j] = f.x;
+            v[8 * i + 2 * j + 1] = f.y;
         }
     }
+    if (active) {
+#pragma unroll
+        for (int j = 0; j < kLaneChannels; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int offset = kLanesPerGroup / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+    if (round_scale) scale = round_up_pow2(scale);
+    uint32_t packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[4 * j], scale), __fdiv_rn(v[4 * j + 1], scale)),
+                                                                 __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fdiv_rn(v[4 * j + 2], scale), __fdiv_rn(v[4 * j + 3], scale)), __NV_SATFINITE, __NV_E4M3);
+        packed[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    return make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]), static_cast<int>(packed[3]));
 }
 
 // ------------------------------------------------------------------ dispatch
-template <bool kUseFP8>
-__global__ void __launch_bounds__(kSmallThreads) stage_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, int num_tokens, bool round_scale) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize;
-    for (int t = warp; t < num_tokens; t += gridDim.x * kSmallWarps)
-        stage_token<kUseFP8>(L, x + static_cast<int64_t>(t) * L.hidden, h.local + L.send_offset() + t * L.dispatch_msg_bytes, t,
-                             round_scale, lane);
-}
-
-// One warp per global expert: finds this rank's entries for it in token order (ballots over topk_idx), records
-// each entry's slot for the combine, copies the staged messages to the expert's rank, then signals the count.
-__device__ void send_expert_tokens(const Layout& L, const Half& h, const int64_t* topk_idx, int num_tokens, int num_topk, int* send_slot,
-                                   int expert, int lane) {
-    const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-    const unsigned long long epoch = h.state->epoch[h.half] + 1;
-    if (lane == 0) wait_ack(L, h, epoch, pe, "dispatch send (peer has not read this half's previous use)");
-    __syncwarp();
-
-    uint8_t* region = h.local + L.recv_offset() + (static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens * L.dispatch_msg_bytes;
-    const uint8_t* staged = h.local + L.send_offset();
+// A warp per expert (warps loop over experts): ballot scans of topk_idx in entry order give each entry its slot = its
+// rank among this rank's entries for that expert (token order, as the reference's stable sort), and the expert's
+// count. Entries that name no valid expert get slot -1: -1 itself, ids out of range and the second listing of an
+// expert by one token (the two last are reported, and skipped, so counts never exceed the tokens and slots stay
+// inside the expert's region).
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens,
+                                                                                  int num_topk, int* send_slot, int* expert_count) {
     const int num_entries = num_tokens * num_topk;
-    int count = 0;
-    constexpr int kScanBatch = 4;  // topk_idx loads in flight per lane (the scan is latency-bound, not bandwidth-bound)
-    for (int batch = 0; batch < num_entries; batch += kScanBatch * kWarpSize) {
-        int64_t ids[kScanBatch];
-#pragma unroll
-        for (int u = 0; u < kScanBatch; ++u) {
-            const int entry = batch + u * kWarpSize + lane;
-            ids[u] = entry < num_entries ? __ldg(topk_idx + entry) : -1;
-        }
-#pragma unroll
-        for (int u = 0; u < kScanBatch; ++u) {
-            const int base = batch + u * kWarpSize;
-            const bool match = ids[u] == expert;
-            unsigned ballot = __ballot_sync(kFullMask, match);
-            if (match) send_slot[base + lane] = count + __popc(ballot & ((1u << lane) - 1));
-            while (ballot != 0) {
-                const int token = (base + __ffs(ballot) - 1) / num_topk;
-                ballot &= ballot - 1;
-                if (count >= L.max_tokens) {  // only possible when a token lists the same expert twice
-                    if (lane == 0)
-                        printf("ep_dispatcher: rank %d, low-latency dispatch: more than num_max_dispatch_tokens_per_rank = %d entries "
-                               "for expert %d (topk_idx repeats an expert within a token)\n",
-                               h.rank, L.max_tokens, expert);
-                    asm volatile("trap;");
-                }
-                warp_copy_to_peer(h, region + static_cast<int64_t>(count) * L.dispatch_msg_bytes, staged + token * L.dispatch_msg_bytes,
-                                  L.dispatch_msg_bytes, pe, lane);
-                ++count;
-            }
+    for (int entry = blockIdx.x * blockDim.x + threadIdx.x; entry < num_entries; entry += gridDim.x * blockDim.x) {
+        const int64_t id = __ldg(topk_idx + entry);
+        if (id < 0 || id >= L.num_experts) {
+            send_slot[entry] = -1;
+            if (id != -1) report_bad_entry(h, kErrorDispatchRange, entry / num_topk, entry % num_topk, id);
         }
     }
-    complete_warp_writes(h, pe);
-    if (lane == 0) {
-        signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank, make_signal(epoch, count), pe);
+    const int lane = threadIdx.x % kWarpSize;
+    const unsigned lanes_below = (1u << lane) - 1;
+    for (int expert = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kSmallWarps) {
+        int count = 0;
+        int last_token = -1;  // token of the last matching entry seen so far (entries of one token are adjacent)
+        for (int batch = 0; batch < num_entries; batch += kScanBatch * kWarpSize) {
+            int64_t ids[kScanBatch];
+#pragma unroll
+            for (int u = 0; u < kScanBatch; ++u) {
+                const int entry = batch + u * kWarpSize + lane;
+                ids[u] = entry < num_entries ? __ldg(topk_idx + entry) : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < kScanBatch; ++u) {
+                const int base = batch + u * kWarpSize, entry = base + lane;
+                const bool match = ids[u] == expert;
+                const unsigned matches = __ballot_sync(kFullMask, match);
+                if (matches == 0) continue;  // warp-uniform
+                const int token = entry / num_topk;
+                const unsigned below = matches & lanes_below;
+                const int previous_token = below != 0 ? (base + kWarpSize - 1 - __clz(below)) / num_topk : last_token;
+                const bool repeat = match && previous_token == token;
+                const unsigned kept = __ballot_sync(kFullMask, match && !repeat);
+                if (match) {
+                    send_slot[entry] = repeat ? -1 : count + __popc(kept & lanes_below);
+                    if (repeat) report_bad_entry(h, kErrorDispatchRepeat, token, entry % num_topk, expert);
+                }
+                count += __popc(kept);
+                last_token = (base + kWarpSize - 1 - __clz(matches)) / num_topk;
+            }
+        }
+        if (lane == 0) expert_count[expert] = count;
+    }
+}
+
+// One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
+// (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
+// entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
+template <bool kUseFP8>
+__device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert, int lane_slot,
+                                          int num_topk, bool round_scale, int lane, bool& issued_puts) {
+    constexpr int kBytesPerChannel = kUseFP8 ? 1 : 2;
+    constexpr int kVectors = kUseFP8 ? 1 : 2;  // 16-byte vectors per lane
+    const int H = L.hidden;
+    const int channel = step * kStepChannels + lane * kLaneChannels;
+    const bool active = channel < H;  // hidden % 128 == 0: a group's lanes are all active or all idle
+    int4 data[2] = {raw[0], raw[1]};
+    float scale = 0.f;
+    if constexpr (kUseFP8) data[0] = cast_to_fp8(raw, active, round_scale, scale);
+    const bool writes_scale = kUseFP8 && active && lane % kLanesPerGroup == 0;
+    const int64_t data_offset = kHeaderBytes + int64_t(channel) * kBytesPerChannel;  // in the message
+    const int64_t scale_offset = kHeaderBytes + H + (channel / kFp8GroupSize) * int64_t(sizeof(float));
+    const int4 header = make_int4(t, 0, 0, 0);
+
+    // Peers reached by NVSHMEM puts read the step from the token's staged message (a put's source is symmetric).
+    const int lane_pe = lane_slot >= 0 ? lane_expert / L.num_local_experts : 0;
+    const bool any_put = __ballot_sync(kFullMask, lane_slot >= 0 && h.peer_base[lane_pe] == 0) != 0;
+    uint8_t* staged = h.local + L.send_offset() + int64_t(t) * L.dispatch_msg_bytes;
+    if (any_put) {
+        if (active)
+#pragma unroll
+            for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(staged + data_offset)[v] = data[v];
+        if (writes_scale) *reinterpret_cast<float*>(staged + scale_offset) = scale;
+        if (step == 0 && lane == 0) *reinterpret_cast<int4*>(staged) = header;
+        __threadfence_system();
+        __syncwarp();
+    }
+    for (int k = 0; k < num_topk; ++k) {
+        const int slot = __shfl_sync(kFullMask, lane_slot, k);
+        const int expert = __shfl_sync(kFullMask, lane_expert, k);
+        if (slot < 0) continue;  // warp-uniform
+        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
+        uint8_t* msg = h.local + L.recv_offset() +
+                       ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) * L.dispatch_msg_bytes;
+        if (h.peer_base[pe] != 0) {
+            uint8_t* dst = peer_address(h, msg, pe);
+            if (active)
+#pragma unroll
+                for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(dst + data_offset)[v] = data[v];
+            if (writes_scale) *reinterpret_cast<float*>(dst + scale_offset) = scale;
+            if (step == 0 && lane == 0) *reinterpret_cast<int4*>(dst) = header;
+            continue;
+        }
+#ifdef EP_DISPATCHER_WITH_NVSHMEM
+        const int step_channels = min(kStepChannels, H - step * kStepChannels);
+        const int64_t step_begin = kHeaderBytes + int64_t(step) * kStepChannels * kBytesPerChannel;
+        nvshmemx_putmem_nbi_warp(msg + step_begin, staged + step_begin, static_cast<size_t>(step_channels) * kBytesPerChannel, pe);
+        if (kUseFP8) {
+            const int64_t scales_begin = kHeaderBytes + H + int64_t(step) * kGroupsPerStep * sizeof(float);
+            nvshmemx_putmem_nbi_warp(msg + scales_begin, staged + scales_begin, (step_channels / kFp8GroupSize) * sizeof(float), pe);
+        }
+        if (step == 0) nvshmemx_putmem_nbi_warp(msg, staged, kHeaderBytes, pe);
+        issued_puts = true;
+#endif
+    }
+}
+
+// Token-parallel send: a warp per (token, step) item, kSendBatch items' loads in flight. Each token row is read once
+// and each step cast once, then stored into the slots the plan kernel chose. The last block to finish signals every
+// expert's count (after all blocks' writes, see arrive_last).
+template <bool kUseFP8>
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, const int* send_slot, const int* expert_count,
+                       int num_tokens, int num_topk, bool round_scale) {
+    const unsigned long long epoch = h.state->epoch[h.half] + 1;
+    wait_all_acks(L, h, epoch, "dispatch send (peer has not read this half's previous use)");
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize, num_warps = gridDim.x * kSmallWarps;
+    const int H = L.hidden;
+    const int steps = ceil_div(H, kStepChannels);
+    const int items = num_tokens * steps;
+    [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
+    for (int base = warp; base < items; base += num_warps * kSendBatch) {
+        int4 raw[kSendBatch][2];
+        int lane_expert[kSendBatch], lane_slot[kSendBatch];
+#pragma unroll
+        for (int u = 0; u < kSendBatch; ++u) {
+            const int item = base + u * num_warps;
+            raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
+            lane_expert[u] = lane_slot[u] = -1;
+            if (item >= items) continue;
+            const int t = item / steps, channel = (item % steps) * kStepChannels + lane * kLaneChannels;
+            if (channel < H) {
+                const int4* row = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H + channel);
+                raw[u][0] = load_nc(row);
+                raw[u][1] = load_nc(row + 1);
+            }
+            if (lane < num_topk) {
+                // A slot >= 0 guarantees the id is a valid expert (the plan kernel checked it).
+                lane_slot[u] = send_slot[t * num_topk + lane];
+                lane_expert[u] = static_cast<int>(__ldg(topk_idx + t * num_topk + lane));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kSendBatch; ++u) {
+            const int item = base + u * num_warps;
+            if (item >= items) break;  // warp-uniform
+            send_step<kUseFP8>(L, h, item / steps, item % steps, raw[u], lane_expert[u], lane_slot[u], num_topk, round_scale, lane,
+                               issued_puts);
+        }
+    }
+#ifdef EP_DISPATCHER_WITH_NVSHMEM
+    if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
+#endif
+    if (!arrive_last(&h.state->send_arrived[h.half])) return;
+    for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
+        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
+        signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
+                    make_signal(epoch, static_cast<uint32_t>(expert_count[expert])), pe);
         quiet_puts(h, pe);
     }
 }
 
-// Warps loop over experts: the grid may be smaller than one warp per expert (max_blocks, see low_latency.cuh).
-__global__ void __launch_bounds__(kSmallThreads) send_tokens_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens, int num_topk,
-                                                               int* send_slot) {
-    const int lane = threadIdx.x % kWarpSize;
-    for (int expert = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kSmallWarps)
-        send_expert_tokens(L, h, topk_idx, num_tokens, num_topk, send_slot, expert, lane);
-}
-
-// One block per local expert (blocks loop when there are more experts than blocks): waits for every source rank's
-// count, packs the sources in rank order into the expert-major output and writes the handle (source token of each
-// slot, per-source ranges) and the counts.
+// Every block waits for all counts and builds the prefixes; then a warp per received message (all experts' messages
+// numbered one after another, spread over the grid) copies it to its packed place: source ranks ascending, token order
+// inside a source. Block 0 writes the counts and the handle's ranges; all blocks mark the unused slots.
 template <bool kUseFP8, bool kUE8M0>
 __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
                                                                   int64_t* layout_range, int* recv_count, int* cumulative_stats) {
-    extern __shared__ int begin[];  // [R + 1] exclusive prefix of the per-source counts
+    extern __shared__ int prefix[];
     __shared__ unsigned long long epoch_shared;
-    const int R = L.num_ranks, T = L.max_tokens, H = L.hidden;
+    const int R = L.num_ranks, T = L.max_tokens, H = L.hidden, E_local = L.num_local_experts;
     const int num_slots = R * T;
+    int* begin = prefix;
+    int* start = prefix + E_local * (R + 1);
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
-    for (int local_expert = blockIdx.x; local_expert < L.num_local_experts; local_expert += gridDim.x) {
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            const uint64_t v =
-                wait_signal(dispatch_signals(L, h) + local_expert * R + r, epoch, h, "dispatch receive", r, local_expert + h.rank * L.num_local_experts);
-            begin[r + 1] = static_cast<int>(v & 0xffffffffu);
+    build_prefixes(L, begin, start, [&](int pair) {
+        const uint64_t v = wait_signal(dispatch_signals(L, h) + pair, epoch, h, "dispatch receive", pair % R, h.rank * E_local + pair / R);
+        return static_cast<int>(v & 0xffffffffu);
+    });
+    if (blockIdx.x == 0) {
+        for (int le = threadIdx.x; le < E_local; le += blockDim.x) {
+            const int total = begin[le * (R + 1) + R];
+            recv_count[le] = total;
+            if (cumulative_stats != nullptr) cumulative_stats[le] += total;
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            begin[0] = 0;
-            for (int r = 0; r < R; ++r) begin[r + 1] += begin[r];
-            recv_count[local_expert] = begin[R];
-            if (cumulative_stats != nullptr) cumulative_stats[local_expert] += begin[R];
+        for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
+            const int* b = begin + (pair / R) * (R + 1) + pair % R;
+            layout_range[pair] = (static_cast<int64_t>(b[0]) << 32) | static_cast<int64_t>(b[1] - b[0]);
         }
-        __syncthreads();
-        const int total = begin[R];
-        for (int r = threadIdx.x; r < R; r += blockDim.x)
-            layout_range[local_expert * R + r] = (static_cast<int64_t>(begin[r]) << 32) | static_cast<int64_t>(begin[r + 1] - begin[r]);
-        for (int s = total + threadIdx.x; s < num_slots; s += blockDim.x) src_info[local_expert * num_slots + s] = -1;
+    }
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E_local) * num_slots; i += num_threads)
+        if (i % num_slots >= begin[(i / num_slots) * (R + 1) + R]) src_info[i] = -1;
 
-        const int lane = threadIdx.x % kWarpSize;
-        const int groups = H / kFp8GroupSize;
-        const int64_t row_bytes = kUseFP8 ? H : 2 * H;
-        for (int slot = threadIdx.x / kWarpSize; slot < total; slot += kWarps) {
-            int r = 0;  // source rank of this slot: the last r with begin[r] <= slot
-            for (int lo = 0, hi = R - 1; lo <= hi;) {
-                const int mid = (lo + hi) / 2;
-                if (begin[mid] <= slot) r = mid, lo = mid + 1;
-                else hi = mid - 1;
-            }
-            const uint8_t* msg =
-                h.local + L.recv_offset() + ((static_cast<int64_t>(local_expert) * R + r) * T + (slot - begin[r])) * L.dispatch_msg_bytes;
-            const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
-            // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them during this kernel.
-            const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
-            int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
-            warp_copy_batched(row_bytes / 16, lane, [&](int64_t i) { return __ldcg(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
-            if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
-            if constexpr (kUseFP8) {
-                const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
-                // Scales are stored group-major ([E_local, groups, num_slots]) and returned as a transposed view.
-                if constexpr (kUE8M0) {
-                    for (int word = lane; word < groups / 4; word += kWarpSize) {
-                        uint32_t packed = 0;
+    const int lane = threadIdx.x % kWarpSize;
+    const int groups = H / kFp8GroupSize;
+    const int64_t row_bytes = kUseFP8 ? H : 2 * H;
+    for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < start[E_local]; item += gridDim.x * kWarps) {
+        const int local_expert = last_at_most(start, E_local, item);
+        const int slot = item - start[local_expert];
+        const int* b = begin + local_expert * (R + 1);
+        const int r = last_at_most(b, R, slot);  // source rank of this slot
+        const uint8_t* msg =
+            h.local + L.recv_offset() + ((static_cast<int64_t>(local_expert) * R + r) * T + (slot - b[r])) * L.dispatch_msg_bytes;
+        const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
+        // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them after this SM may have cached the lines.
+        const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
+        int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
+        warp_copy_batched(row_bytes / 16, lane, [&](int64_t i) { return __ldcg(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
+        if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
+        if constexpr (kUseFP8) {
+            const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
+            // Scales are stored group-major ([E_local, groups, num_slots]) and returned as a transposed view.
+            if constexpr (kUE8M0) {
+                for (int word = lane; word < groups / 4; word += kWarpSize) {
+                    uint32_t packed = 0;
 #pragma unroll
-                        for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b)) >> 23) & 0xffu) << (8 * b);
-                        static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] = packed;
-                    }
-                } else {
-                    for (int g = lane; g < groups; g += kWarpSize)
-                        static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] = __ldcg(scales + g);
+                    for (int b4 = 0; b4 < 4; ++b4) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b4)) >> 23) & 0xffu) << (8 * b4);
+                    static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] = packed;
                 }
+            } else {
+                for (int g = lane; g < groups; g += kWarpSize)
+                    static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] = __ldcg(scales + g);
             }
         }
-        __syncthreads();  // `begin` is rewritten for the next expert
     }
     finish_receive(L, h, epoch);
 }
 
 // ------------------------------------------------------------------ combine
-// One warp per (local expert, source rank): sends that source's slots back, row i of the range landing at
-// [global expert][i] on the source (the slot the source chose in dispatch), then flags the expert as done.
-__device__ void send_pair_outputs(const Layout& L, const Half& h, const __nv_bfloat16* x, bool x_is_staged, const int64_t* layout_range,
-                                  int pair, int lane) {
-    const int local_expert = pair / L.num_ranks, pe = pair % L.num_ranks;
-    const int expert = h.rank * L.num_local_experts + local_expert;
+// A warp per (received row, kChunkBytes chunk), spread over the grid: row `slot` of expert `le` goes back to its
+// source rank r, at [global expert][i] where i is its index in r's range (the slot r chose in dispatch). The last
+// block to finish flags every (expert, source rank) pair.
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, const int64_t* layout_range) {
+    extern __shared__ int prefix[];
+    const int R = L.num_ranks, T = L.max_tokens, E_local = L.num_local_experts;
+    int* begin = prefix;
+    int* start = prefix + E_local * (R + 1);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
-    if (lane == 0) wait_ack(L, h, epoch, pe, "combine send (peer has not read this half's previous use)");
-    __syncwarp();
-    const int64_t range = layout_range[pair];
-    const int begin = static_cast<int>(range >> 32), count = static_cast<int>(range & 0xffffffff);
+    wait_all_acks(L, h, epoch, "combine send (peer has not read this half's previous use)");
+    // The ranges are the exclusive prefixes of their counts (the receive kernel wrote them so).
+    build_prefixes(L, begin, start, [&](int pair) { return static_cast<int>(layout_range[pair] & 0xffffffff); });
+    const int lane = threadIdx.x % kWarpSize;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
-    const int64_t num_slots = static_cast<int64_t>(L.num_ranks) * L.max_tokens;
-    uint8_t* staged_base = h.local + L.send_offset();
-    uint8_t* dst_base = h.local + L.recv_offset() + static_cast<int64_t>(expert) * L.max_tokens * row_bytes;
-    const bool direct = h.peer_base[pe] != 0;
-    for (int i = 0; i < count; ++i) {
-        const int64_t row = local_expert * num_slots + begin + i;
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + row * row_bytes;
-        if (!direct && !x_is_staged) {  // NVSHMEM puts read symmetric memory: stage the row first
-            uint8_t* staged = staged_base + row * row_bytes;
-            warp_copy_batched(row_bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
-                              [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
-            __threadfence_system();
-            __syncwarp();
-            src = staged;
+    const int64_t num_slots = static_cast<int64_t>(R) * T;
+    const int chunks = static_cast<int>(ceil_div(row_bytes, kChunkBytes));
+    const int64_t items = static_cast<int64_t>(start[E_local]) * chunks;
+    [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
+    for (int64_t item = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kSmallWarps) {
+        const int row = static_cast<int>(item / chunks), chunk = static_cast<int>(item % chunks);
+        const int local_expert = last_at_most(start, E_local, row);
+        const int slot = row - start[local_expert];
+        const int* b = begin + local_expert * (R + 1);
+        const int pe = last_at_most(b, R, slot);  // the row's source rank
+        const int64_t offset = chunk * kChunkBytes, bytes = row_bytes - offset < kChunkBytes ? row_bytes - offset : kChunkBytes;
+        const int64_t src_row = local_expert * num_slots + slot;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + src_row * row_bytes + offset;
+        uint8_t* dst = h.local + L.recv_offset() + ((static_cast<int64_t>(h.rank) * E_local + local_expert) * T + (slot - b[pe])) * row_bytes + offset;
+        if (h.peer_base[pe] == 0) {
+            if (!x_is_staged) {  // NVSHMEM puts read symmetric memory: stage the chunk first
+                uint8_t* staged = h.local + L.send_offset() + src_row * row_bytes + offset;
+                warp_copy_batched(bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
+                                  [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
+                __threadfence_system();
+                __syncwarp();
+                src = staged;
+            }
+            issued_puts = true;
         }
-        warp_copy_to_peer(h, dst_base + i * row_bytes, src, row_bytes, pe, lane);
+        warp_copy_to_peer(h, dst, src, bytes, pe, lane);
     }
-    complete_warp_writes(h, pe);
-    if (lane == 0) {
-        signal_peer(h, combine_signals(L, h) + expert, make_signal(epoch, 0), pe);
+#ifdef EP_DISPATCHER_WITH_NVSHMEM
+    if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
+#endif
+    if (!arrive_last(&h.state->send_arrived[h.half])) return;
+    for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
+        const int pe = pair % R;
+        signal_peer(h, combine_signals(L, h) + h.rank * E_local + pair / R, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
 }
 
-__global__ void __launch_bounds__(kSmallThreads) send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged,
-                                                                const int64_t* layout_range) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int num_pairs = L.num_local_experts * L.num_ranks;
-    for (int pair = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; pair < num_pairs; pair += gridDim.x * kSmallWarps)
-        send_pair_outputs(L, h, x, x_is_staged, layout_range, pair, lane);
-}
-
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
+// Entries without a slot (-1, skipped in dispatch) add nothing; ids out of range are reported and skipped.
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
                                                                   const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out) {
     __shared__ unsigned long long epoch_shared;
@@ -416,11 +583,13 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
             for (int u = 0; u < kReduceBatch; ++u) {
                 const int k = k0 + u;
                 const int64_t e = k < num_topk ? topk_idx[t * num_topk + k] : -1;
-                used[u] = e >= 0;
+                const bool valid = e >= 0 && e < L.num_experts;
+                if (c == 0 && k < num_topk && !valid && e != -1) report_bad_entry(h, kErrorCombineRange, t, k, e);
+                const int slot = valid ? send_slot[t * num_topk + k] : -1;
+                used[u] = slot >= 0;
                 w[u] = 0.f;
                 if (!used[u]) continue;
                 w[u] = topk_weights[t * num_topk + k];
-                const int slot = send_slot[t * num_topk + k];
                 raw[u] = __ldcg(reinterpret_cast<const int4*>(rows + (e * L.max_tokens + slot) * row_bytes + c * 16));
             }
 #pragma unroll
@@ -444,6 +613,28 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
     finish_receive(L, h, epoch);
 }
 
+// ------------------------------------------------------------------ grids
+// Small-block grid for `warps` warp items, within the thread budget of max_blocks full blocks (at least one block:
+// the send kernels' last block signals even when there is nothing to move).
+int small_grid(int64_t warps, int max_blocks) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(warps, kSmallWarps), int64_t(max_blocks) * kSmallPerFull)));
+}
+int plan_grid(const Layout& L, int max_blocks) { return small_grid(L.num_experts, max_blocks); }
+int send_grid(const Layout& L, int max_blocks, int num_tokens) {
+    return small_grid(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels), max_blocks);
+}
+// Receivers size for the most messages the layout allows (the counts are only known on the device).
+int receive_grid(const Layout& L, int max_blocks) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, kWarps))));
+}
+int combine_send_grid(const Layout& L, int max_blocks) {
+    return small_grid(int64_t(L.num_experts) * L.max_tokens * ceil_div<int64_t>(2 * int64_t(L.hidden), kChunkBytes), max_blocks);
+}
+int reduce_grid(const Layout& L, int max_blocks, int num_sms, int num_tokens) {
+    const int64_t items = int64_t(num_tokens) * (L.hidden / 8);
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min(num_sms, max_blocks), ceil_div<int64_t>(items, kThreads))));
+}
+
 }  // namespace
 
 Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
@@ -456,6 +647,8 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
     L.num_local_experts = num_experts / num_ranks;
     L.max_tokens = max_tokens;
     L.hidden = hidden;
+    EP_HOST_ASSERT(prefix_shared_bytes(L) <= kMaxPrefixSharedBytes, "low-latency kernels support up to ",
+                   kMaxPrefixSharedBytes / sizeof(int), " (local expert, rank) pairs, got ", num_experts / num_ranks, " x ", num_ranks);
     L.dispatch_msg_bytes = align_up(kHeaderBytes + std::max<int64_t>(2 * hidden, hidden + hidden / kFp8GroupSize * 4), 16);
     const int64_t combine_msg_bytes = align_up(kHeaderBytes + 2 * int64_t(hidden), 16);
     const int64_t slots = int64_t(num_experts) * max_tokens;  // == E_local * R * T
@@ -467,25 +660,24 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 }
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                   bool round_scale, int* send_slot, cudaStream_t stream) {
-    if (num_tokens > 0) {
-        const int blocks = std::min(ceil_div(num_tokens, kSmallWarps), h.max_blocks * kSmallPerFull);
-        const auto* xb = static_cast<const __nv_bfloat16*>(x);
-        if (use_fp8) stage_tokens_kernel<true><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
-        else stage_tokens_kernel<false><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, num_tokens, round_scale);
-        EP_CUDA_CHECK(cudaGetLastError());
-    }
-    send_tokens_kernel<<<std::min(ceil_div(L.num_experts, kSmallWarps), h.max_blocks * kSmallPerFull), kSmallThreads, 0, stream>>>(
-        L, h, topk_idx, num_tokens, num_topk, send_slot);
+                   bool round_scale, int* plan, cudaStream_t stream) {
+    int* send_slot = plan;
+    int* expert_count = plan + static_cast<int64_t>(num_tokens) * num_topk;
+    plan_sends_kernel<<<plan_grid(L, h.max_blocks), kSmallThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot, expert_count);
+    EP_CUDA_CHECK(cudaGetLastError());
+    const int blocks = send_grid(L, h.max_blocks, num_tokens);
+    const auto* xb = static_cast<const __nv_bfloat16*>(x);
+    if (use_fp8)
+        send_tokens_kernel<true><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
+    else
+        send_tokens_kernel<false><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
-    const size_t shared = (L.num_ranks + 1) * sizeof(int);
-    // One block per local expert, capped by max_blocks: every block may spin on signals, and all ranks' blocks must
-    // stay co-resident when ranks share a GPU.
-    const dim3 grid(std::min(L.num_local_experts, h.max_blocks));
+    const size_t shared = prefix_shared_bytes(L);
+    const dim3 grid(receive_grid(L, h.max_blocks));
     if (!use_fp8)
         receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
                                                                                  cumulative_stats);
@@ -499,19 +691,21 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
 }
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, const int64_t* layout_range, cudaStream_t stream) {
-    const int pairs = L.num_local_experts * L.num_ranks;
-    send_outputs_kernel<<<std::min(ceil_div(pairs, kSmallWarps), h.max_blocks * kSmallPerFull), kSmallThreads, 0, stream>>>(L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
-                                                                           layout_range);
+    send_outputs_kernel<<<combine_send_grid(L, h.max_blocks), kSmallThreads, prefix_shared_bytes(L), stream>>>(
+        L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged, layout_range);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
                   int num_topk, void* out, int num_sms, cudaStream_t stream) {
-    const int64_t items = int64_t(num_tokens) * (L.hidden / 8);
-    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min(num_sms, h.max_blocks), ceil_div<int64_t>(items, kThreads))));
-    reduce_outputs_kernel<<<blocks, kThreads, 0, stream>>>(L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk,
-                                                            static_cast<__nv_bfloat16*>(out));
+    reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, 0, stream>>>(
+        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
     EP_CUDA_CHECK(cudaGetLastError());
+}
+
+int widest_grid_blocks(const Layout& L, int max_blocks, int num_tokens) {
+    const int small = std::max({plan_grid(L, max_blocks), send_grid(L, max_blocks, num_tokens), combine_send_grid(L, max_blocks)});
+    return std::max({ceil_div(small, kSmallPerFull), receive_grid(L, max_blocks), reduce_grid(L, max_blocks, max_blocks, num_tokens)});
 }
 
 }  // namespace ep::low_latency

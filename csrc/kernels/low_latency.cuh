@@ -2,8 +2,8 @@
 //
 // Buffer: two halves (calls alternate between them, so one call's receive can overlap the next call's send).
 // Each half, inside the symmetric allocation, at the same offset on every rank:
-//   send   : dispatch: one staged message per token (FP8 cast or BF16 copy, 16-byte header first);
-//            combine : the [E_local, R * T, H] bf16 expert outputs (the zero-copy buffer, staged for puts).
+//   send   : dispatch: one staged message per token, only for peers reached by NVSHMEM puts (a put reads symmetric
+//            memory); combine: the [E_local, R * T, H] bf16 expert outputs (the zero-copy buffer, staged for puts).
 //   recv   : dispatch: [E_local][R][T] messages, one region per (local expert, source rank), so senders never
 //            contend for slots; combine: [E][T] bf16 rows, expert-major, at the slot the source chose in dispatch.
 //   signal : dispatch counts [E_local][R], combine flags [E], receive acks [R] (all uint64).
@@ -12,9 +12,20 @@
 // sender waits for that ack before writing into the half again: a rank that runs a call ahead cannot overwrite
 // data a slower rank has not read yet.
 //
-// Ordering is deterministic: a sender gives its tokens to an expert in token order (slot = rank among this
-// rank's entries for that expert), the receiver packs source ranks in ascending order; combine sums top-k
-// entries in k order in fp32 (mul then add, no FMA), matching the reference backend bit for bit.
+// Work is spread over every block the rank may use (max_blocks, below), never one warp per expert:
+//   dispatch send = plan kernel (a warp per expert ballot-scans topk_idx: each entry's slot = its rank among this
+//     rank's entries for that expert, in token order; per-expert counts; bad ids reported and skipped) + send kernel
+//     (a warp per (token, 512-channel step): the row is read once, cast to FP8 once, and stored straight into its
+//     slot at each of the token's experts); the last block to finish signals every expert's count.
+//   dispatch receive = every block waits for the counts, then a warp per received message copies it to its packed
+//     place (source ranks ascending, token order inside a source).
+//   combine send = a warp per (received row, 4 KB chunk) stores it back at the slot its source chose; the last block
+//     flags every (expert, source) pair. combine receive = waits for the flags, then sums in fp32, k ascending.
+// Ordering is therefore deterministic and matches the reference backend bit for bit.
+//
+// Content errors (an expert id outside [-1, E), an expert listed twice by a token) never stop a kernel: the entry is
+// skipped and one 8-byte record is stored into host-mapped memory, which the host reads without a sync after its
+// next low-latency launch (ep_dispatcher.buffer raises ValueError there).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +36,19 @@ namespace ep::low_latency {
 
 constexpr int kHeaderBytes = 16;  // a message's header: source token index (int32) + padding to 16 bytes
 constexpr int kFp8GroupSize = 128;
-constexpr int kMaxRanks = 1024;  // shared-memory prefix arrays in the receive kernel
+constexpr int kMaxRanks = 1024;                      // shared-memory prefix arrays in the receive kernels
+constexpr int kMaxPrefixSharedBytes = 48 * 1024;     // their size: the default dynamic shared-memory limit
+
+// The error record (one uint64 in host-mapped memory, written by a single store so it is never torn):
+// bits 60..63 code, 56..59 k, 32..55 token (clamped), 0..31 the bad value (int32, clamped).
+enum ErrorCode : uint32_t {
+    kErrorNone = 0,
+    kErrorDispatchRange = 1,   // dispatch: topk_idx entry outside [-1, num_experts)
+    kErrorDispatchRepeat = 2,  // dispatch: a token lists the same expert twice (value = the expert)
+    kErrorCombineRange = 3,    // combine: topk_idx entry outside [-1, num_experts)
+};
+constexpr int kErrorCodeShift = 60, kErrorKShift = 56, kErrorTokenShift = 32;
+constexpr uint64_t kErrorKMask = 0xf, kErrorTokenMask = 0xffffff;
 
 struct Layout {
     int num_ranks, num_experts, num_local_experts, max_tokens, hidden;
@@ -42,10 +65,12 @@ struct Layout {
 // Same arithmetic as ep_dispatcher.config.get_low_latency_rdma_size_hint (2 * half_bytes == the hint).
 Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden);
 
-// Per-Buffer device state outside the symmetric heap: epochs and the receive kernels' block-arrival counters.
+// Per-Buffer device state outside the symmetric heap: epochs and the block-arrival counters (the last block of a
+// send kernel signals, the last block of a receive kernel acks; per half, as the halves' calls may overlap).
 struct State {
     unsigned long long epoch[2];
-    unsigned int arrived[2];
+    unsigned int arrived[2];       // receive kernels
+    unsigned int send_arrived[2];  // send kernels
 };
 
 // Pointers the kernels need for one half of the buffer.
@@ -55,16 +80,18 @@ struct Half {
     int64_t half_offset;       // bytes from the buffer's start to this half (peer address = peer_base + half_offset + offset)
     int half;                  // 0 or 1
     int rank;
-    // Upper bound on every kernel's grid. The kernels spin on peers' signals, so when several ranks share one GPU
-    // (MPS) all their blocks must be resident at once: the bound is SMs / ranks on the GPU (one 512-thread block
-    // per SM always fits). With one rank per GPU it is the SM count.
+    // Upper bound on every kernel's grid, in 512-thread blocks (the small-block kernels launch 4x as many 128-thread
+    // blocks). The kernels spin on peers' signals, so when several ranks share one GPU (MPS) all their blocks must be
+    // resident at once: the bound is SMs / ranks on the GPU. With one rank per GPU it is the SM count.
     int max_blocks;
     State* state;
     int64_t timeout_ns;
+    unsigned long long* error;  // device address of the host-mapped error record
 };
 
+// `plan`: int32 [num_tokens * num_topk + num_experts]: each entry's slot (-1: skipped), then each expert's count.
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
-                   bool use_fp8, bool round_scale, int* send_slot, cudaStream_t stream);
+                   bool use_fp8, bool round_scale, int* plan, cudaStream_t stream);
 
 void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream);
@@ -74,5 +101,9 @@ void combine_send(const Layout& layout, const Half& half, const void* x, bool x_
 
 void combine_recv(const Layout& layout, const Half& half, const int64_t* topk_idx, const float* topk_weights, const int* send_slot,
                   int num_tokens, int num_topk, void* out, int num_sms, cudaStream_t stream);
+
+// The widest grid a dispatch or combine of `num_tokens` tokens launches, in 512-thread block equivalents (what the
+// benchmark reports as the call's share of the SMs).
+int widest_grid_blocks(const Layout& layout, int max_blocks, int num_tokens);
 
 }  // namespace ep::low_latency

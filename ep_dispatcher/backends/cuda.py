@@ -58,6 +58,7 @@ class CudaBackend(ReferenceBackend):
         self.ll: Optional["_C.LowLatencyBuffer"] = None
         self.internode: Optional["_C.InternodeBuffer"] = None
         self._internode_capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
+        self._ll_combine_views: dict = {}  # (half, shape) -> the zero-copy combine buffer (a view of the half)
         self._nvshmem_bytes = 0
         if num_rdma_bytes > 0 and _C.has_nvshmem() and low_latency_mode:
             _init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
@@ -102,6 +103,7 @@ class CudaBackend(ReferenceBackend):
             self.ipc.destroy()
             self.ipc = None
         if self.ll is not None:
+            self._ll_combine_views.clear()
             self.ll.destroy()
             self.ll = None
         if self.internode is not None:
@@ -111,10 +113,13 @@ class CudaBackend(ReferenceBackend):
         self._nvshmem_bytes = 0
 
     def checks_topk_idx_on_device(self, call: str, topk_idx: torch.Tensor) -> bool:
-        """The layout kernel ignores ids outside ``[0, num_experts)`` and the intranode dispatch reports them (every
-        rank raises ``ValueError`` after the count exchange), so neither needs the host-side check's sync."""
+        """The layout kernel ignores ids outside ``[0, num_experts)``, the intranode dispatch reports them (every
+        rank raises ``ValueError`` after the count exchange), and the low-latency kernels skip bad ids and experts
+        listed twice by a token and report them through ``take_low_latency_error``: none needs a host sync."""
         if not topk_idx.is_cuda:
             return False
+        if call == "low_latency":
+            return self.ll is not None
         return call == "get_dispatch_layout" or (call == "dispatch" and self.ipc is not None)
 
     # ------------------------------------------------------------------ layout
@@ -374,6 +379,11 @@ class CudaBackend(ReferenceBackend):
         )
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
+    def take_low_latency_error(self) -> Optional[tuple]:
+        """``(code, token, k, value)`` of the last bad ``topk_idx`` entry the kernels that have run reported (then
+        cleared), or None; codes in ``validation.low_latency_topk_error``."""
+        return None if self.ll is None else self.ll.take_error()
+
     def low_latency_dispatch(
         self,
         x,
@@ -394,10 +404,11 @@ class CudaBackend(ReferenceBackend):
             )
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
-        num_local_experts = num_experts // self.num_ranks
-        send_slot = self.ll.dispatch_send(half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale)
-        src_info = torch.empty((num_local_experts, self.num_ranks * max_tokens), dtype=torch.int32, device=x.device)
-        layout_range = torch.empty((num_local_experts, self.num_ranks), dtype=torch.int64, device=x.device)
+        # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
+        # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
+        send_slot, src_info, layout_range = self.ll.dispatch_send(
+            half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale
+        )
         handle = LowLatencyHandle(
             buffer_id=buffer_id,
             src_info=src_info,
@@ -437,9 +448,14 @@ class CudaBackend(ReferenceBackend):
     def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
         if self.ll is None or device.type != "cuda":
             return super().low_latency_combine_buffer(half, shape, device)
-        num_local_experts, num_slots, hidden = shape
-        max_tokens = num_slots // self.num_ranks
-        return self.ll.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+        key = (half, tuple(shape))
+        view = self._ll_combine_views.get(key)
+        if view is None:  # a view of the half's send area: made once, asked for on every zero-copy combine
+            num_local_experts, num_slots, hidden = shape
+            max_tokens = num_slots // self.num_ranks
+            view = self.ll.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+            self._ll_combine_views[key] = view
+        return view
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         if self.ll is not None:

@@ -303,3 +303,99 @@ def test_low_latency_back_to_back_two_in_flight(world):
 def test_low_latency_over_nvshmem_puts(world):
     """``allow_nvlink_for_low_latency_mode=False``: every transfer is an NVSHMEM put + signal (the RDMA path)."""
     _raise(run(_compare_worker, world, [3], False))
+
+
+def _expect_one_raise(errors, tag: str, calls, pattern: str, should_raise: bool) -> None:
+    """Runs ``calls`` in order (each a collective low-latency call); a bad entry found on the device is raised by the
+    call that found it or a later one, so exactly one of them must raise on the rank that passed it, none elsewhere."""
+    raised = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            raised.append(str(e))
+        torch.cuda.synchronize()  # the kernels have run: the record is there for the next call at the latest
+    if should_raise and (len(raised) != 1 or pattern not in raised[0] or "topk_idx" not in raised[0]):
+        errors.append(f"{tag}: expected one ValueError naming topk_idx and {pattern!r}, got {raised}")
+    if not should_raise and raised:
+        errors.append(f"{tag}: unexpected {raised}")
+
+
+def _bad_ids_worker(rank: int, world: int) -> list:
+    """Bad topk_idx entries (out of range, an expert listed twice, in dispatch and in combine) on rank 0: the kernels
+    skip them and report them without a host sync; rank 0 raises ValueError from the hook or a later call, nothing
+    hangs, and the ranks stay in step (a following dispatch + combine equals the reference)."""
+    max_tokens, hidden, per_rank, topk = 32, 1024, 4, 4
+    cuda, ref = _buffers(world, shapes=[(max_tokens, hidden, per_rank, topk)])
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = per_rank * world
+    case = _case(77, world, max_tokens, hidden, per_rank, topk)
+    case.tokens_per_rank = [max_tokens] * world
+    x, idx, w = (t.to(device) for t in rc.rank_inputs(case, rank))
+    bad_rank = rank == 0
+    out_of_range, repeated = idx.clone(), idx.clone()
+    if bad_rank:
+        out_of_range[1, 2] = E + 5
+        repeated[3, 0] = repeated[3, 1] = 0
+    errors: list = []
+
+    # No host sync in any low-latency call (the checks run on the device): a sync inside these calls raises.
+    cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)  # the buffer takes this shape (a one-time clean)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recv, _, handle, _, hook = cuda.low_latency_dispatch(x, idx, max_tokens, E, return_recv_hook=True)
+        hook()
+        y = cuda.get_next_low_latency_combine_buffer(handle)
+        y.copy_((recv[0].float() * recv[1][:, :, :1]).to(torch.bfloat16))
+        _, _, hook = cuda.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True)
+        hook()
+        cuda.low_latency_combine(y, idx, w, cuda.low_latency_dispatch(x, idx, max_tokens, E)[2])
+    except RuntimeError as e:
+        errors.append(f"rank {rank}: a low-latency call synchronised the host: {e}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+    def dispatch(ids, **kwargs):
+        return lambda: cuda.low_latency_dispatch(x, ids, max_tokens, E, use_fp8=False, **kwargs)
+
+    # Hooked: the send phase has run (synchronized) by the time the hook runs, so the hook raises, unless the GPU was
+    # fast enough for the dispatch call itself to see the record (it then runs its own receive and raises).
+    hooks = []
+
+    def hooked_dispatch():
+        hooks.append(cuda.low_latency_dispatch(x, out_of_range, max_tokens, E, use_fp8=False, return_recv_hook=True)[4])
+
+    def run_hook():
+        if hooks:
+            hooks.pop()()
+
+    _expect_one_raise(errors, f"rank {rank} out-of-range id, hooked", [hooked_dispatch, run_hook], str(E + 5), bad_rank)
+    calls = [dispatch(repeated), dispatch(idx)]
+    _expect_one_raise(errors, f"rank {rank} repeated expert", calls, "more than once", bad_rank)
+
+    out_c = cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+    out_r = ref.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+    _compare_dispatch(errors, f"rank {rank} dispatch after bad ids", out_c, out_r, False)
+    y = _expert_outputs(5, rank, (E // world, world * max_tokens, hidden), device)
+    _expect_one_raise(
+        errors,
+        f"rank {rank} out-of-range id in combine",
+        [lambda: cuda.low_latency_combine(y, out_of_range, w, out_c[2]), dispatch(idx)],
+        str(E + 5),
+        bad_rank,
+    )
+    out_c = cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+    comb_c, _, _ = cuda.low_latency_combine(y, idx, w, out_c[2])
+    comb_r, _, _ = ref.low_latency_combine(y, idx, w, out_r[2])
+    torch.cuda.synchronize()
+    if not torch.equal(comb_c, comb_r):
+        errors.append(f"rank {rank}: combine after bad ids differs from the reference")
+    cuda.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_low_latency_bad_topk_idx_raises_without_host_sync(world):
+    _raise(run(_bad_ids_worker, world))
