@@ -266,22 +266,31 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     publish.value[intranode::kPubCombineX] = x_offset;
     publish.value[intranode::kPubCombineWeights] = weights_offset;
     publish.value[intranode::kPubCombineRows] = sent_rows;
+    // An input that lies in the pool (with its weights, if any) is read by the sources where it is: no push pass.
+    const bool pulled = pool.holds(x) && (!topk_weights || pool.holds(*topk_weights));
+    if (pulled) {
+        publish.value[intranode::kPubCombineInputX] = pool.offset_of(x);
+        if (topk_weights) publish.value[intranode::kPubCombineInputWeights] = pool.offset_of(*topk_weights);
+    }
 
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, &publish, stream);
-    intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
-                            num_topk, count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
+    if (!pulled)
+        intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                                num_topk, count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, nullptr, stream);
 
     at::Tensor out = at::empty({num_tokens, hidden}, x.options());
     OptTensor out_weights;
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
-    intranode::combine_reduce(buffer.local_data() + x_offset,
+    intranode::combine_reduce(buffer.peers(), buffer.local_data() + x_offset,
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
                               buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
                               x.scalar_type() == at::kBFloat16 ? intranode::FloatType::kBFloat16 : intranode::FloatType::kFloat32,
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),
                               out_weights ? out_weights->data_ptr<float>() : nullptr, num_topk, static_cast<int>(num_sms), stream);
+    // Peers may be reading this rank's input until they pass this point (every rank waits, as they cannot know).
+    intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineDone, nullptr, stream);
     pool.release_transient(x_offset, stream);
     if (weights_offset >= 0) pool.release_transient(weights_offset, stream);
     return {out, out_weights};

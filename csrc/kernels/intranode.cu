@@ -366,31 +366,49 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char* x_region, const float* w_region, int rank, int num_ranks,
-                                                                      const int* count_matrix, const bool* is_token_in_rank,
+__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, int rank,
+                                                                      int num_ranks, const int* count_matrix, const bool* is_token_in_rank,
                                                                       const int* send_pos, int num_tokens, int hidden, const T* bias0,
                                                                       const T* bias1, T* out, float* out_weights, int num_topk) {
     using V = Vec<T>;
-    __shared__ int send_base[kMaxRanks];  // start of destination d's block in this rank's send order
-    __shared__ int rows[kWarpsPerBlock][kMaxRanks];
+    // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
+    // at the rows d received from this rank), else in this rank's combine region, where d pushed them.
+    __shared__ const char* x_base[kMaxRanks];
+    __shared__ const float* w_base[kMaxRanks];
+    __shared__ const char* rows[kWarpsPerBlock][kMaxRanks];
+    __shared__ const float* weight_rows[kWarpsPerBlock][kMaxRanks];
+    const int64_t row_bytes = static_cast<int64_t>(hidden) * sizeof(T);
     if (threadIdx.x == 0) {
-        int total = 0;
+        int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
-            send_base[d] = total;
-            total += count_matrix[rank * num_ranks + d];
+            const int64_t input = load_published(peers.base[d], kPubCombineInputX);
+            if (input >= 0) {
+                const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
+                const int64_t weights = load_published(peers.base[d], kPubCombineInputWeights);
+                x_base[d] = data_of(peers.base[d]) + input + first * row_bytes;
+                w_base[d] = weights < 0 ? nullptr : reinterpret_cast<const float*>(data_of(peers.base[d]) + weights) + first * num_topk;
+            } else {
+                x_base[d] = x_region + send_base * row_bytes;
+                w_base[d] = w_region == nullptr ? nullptr : w_region + static_cast<int64_t>(send_base) * num_topk;
+            }
+            send_base += count_matrix[rank * num_ranks + d];
         }
     }
     __syncthreads();
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int vectors = hidden / V::kElems;
-    const int64_t row_bytes = static_cast<int64_t>(hidden) * sizeof(T);
     for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kWarpsPerBlock) {
         int count = 0;
         for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
             const int d = d0 + lane;
             const bool hit = d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
             const unsigned mask = __ballot_sync(0xffffffffu, hit);
-            if (hit) rows[warp][count + __popc(mask & ((1u << lane) - 1))] = send_base[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
+            if (hit) {
+                const int slot = count + __popc(mask & ((1u << lane) - 1));
+                const int64_t position = send_pos[static_cast<int64_t>(t) * num_ranks + d];
+                rows[warp][slot] = x_base[d] + position * row_bytes;
+                weight_rows[warp][slot] = w_base[d] == nullptr ? nullptr : w_base[d] + position * num_topk;
+            }
             count += __popc(mask);
         }
         __syncwarp();
@@ -416,7 +434,7 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char
                 int4 v[kSumBatch];
 #pragma unroll
                 for (int u = 0; u < kSumBatch; ++u)
-                    if (j0 + u < count) v[u] = reinterpret_cast<const int4*>(x_region + rows[warp][j0 + u] * row_bytes)[i];
+                    if (j0 + u < count) v[u] = reinterpret_cast<const int4*>(rows[warp][j0 + u])[i];
 #pragma unroll
                 for (int u = 0; u < kSumBatch; ++u) {
                     if (j0 + u >= count) break;
@@ -431,7 +449,7 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(const char
         }
         if (out_weights != nullptr && lane < num_topk) {
             float acc = 0.0f;
-            for (int j = 0; j < count; ++j) acc = __fadd_rn(acc, w_region[static_cast<int64_t>(rows[warp][j]) * num_topk + lane]);
+            for (int j = 0; j < count; ++j) acc = __fadd_rn(acc, weight_rows[warp][j][lane]);
             out_weights[static_cast<int64_t>(t) * num_topk + lane] = acc;
         }
         __syncwarp();
@@ -547,7 +565,7 @@ void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, in
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_reduce(const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
                     const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
     if (num_tokens == 0) return;
@@ -555,12 +573,12 @@ void combine_reduce(const char* rows_x, const float* rows_weights, int rank, int
     if (type == FloatType::kBFloat16) {
         EP_HOST_ASSERT(hidden % Vec<__nv_bfloat16>::kElems == 0, "hidden=", hidden);
         combine_reduce_kernel<__nv_bfloat16><<<grid, kDataThreads, 0, stream>>>(
-            rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
+            peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
             static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), static_cast<__nv_bfloat16*>(out),
             out_weights, num_topk);
     } else {
         EP_HOST_ASSERT(hidden % Vec<float>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank,
                                                                         send_pos, num_tokens, hidden, static_cast<const float*>(bias0),
                                                                         static_cast<const float*>(bias1), static_cast<float*>(out),
                                                                         out_weights, num_topk);

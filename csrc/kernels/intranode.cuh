@@ -9,8 +9,10 @@
 // in its signal area at a barrier; senders then write every row straight into the receiver's output tensor. No
 // ring buffers, no copy-out, no flow control and no spinning SMs in the data kernels: only the one-block barrier
 // kernels wait, so any number of ranks can share one GPU without deadlock, whatever num_sms is.
-// Combine mirrors it: the source publishes a transient region of its pool; each expert-side row is written there at
-// the row the source sent it from (source order: destination rank ascending, token order inside), and the source
+// Combine mirrors it. When a rank's combine input (the expert outputs, in its receive order) lies in its pool, e.g.
+// experts that wrote into recv_x or into a pool tensor, it publishes the input and the sources read (pull) the rows
+// straight from it: one pass. Otherwise it writes (pushes) each row to a transient region of the source's pool at the
+// row the source sent it from (source order: destination rank ascending, token order inside). Either way the source
 // sums a token's rows in destination-rank order in fp32 (bias first): the same order as the reference backend,
 // hence bit-exact.
 #pragma once
@@ -55,6 +57,8 @@ enum PublishedField : int {
     kPubCombineX,
     kPubCombineWeights,
     kPubCombineRows,
+    kPubCombineInputX,        // the combine input itself, when it lies in the pool: sources pull from it
+    kPubCombineInputWeights,  // likewise its top-k weights (-1 with a pulled x: no weights)
     kNumPublished
 };
 struct Published {
@@ -141,8 +145,9 @@ enum class FloatType : int { kBFloat16 = 0, kFloat32 = 1 };
 
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
-// rows_x / rows_weights: this rank's combine region (where peers wrote the rows back).
-void combine_reduce(const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
+// rows_x / rows_weights: this rank's combine region (where peers that did not publish their input pushed the rows);
+// rows of peers that published their combine input are read (pulled) straight from it.
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,
                     const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk, int num_sms,
                     cudaStream_t stream);

@@ -11,6 +11,7 @@ enum Stage : int {
     kStageCombineReady = 3,
     kStageCombineData = 4,
     kStageDispatchReady = 5,
+    kStageCombineDone = 6,
 };
 
 }  // namespace ep::sync

@@ -57,6 +57,7 @@ __device__ __forceinline__ const char* stage_name(int stage) {
         case kStageCombineReady: return "combine: waiting for peers to be ready to receive";
         case kStageCombineData: return "combine: waiting for peers' expert outputs";
         case kStageDispatchReady: return "dispatch: waiting for peers' receive offsets";
+        case kStageCombineDone: return "combine: waiting for peers to finish reading this rank's expert outputs";
         default: return "unknown stage";
     }
 }

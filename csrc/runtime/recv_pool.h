@@ -52,6 +52,11 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
     void release_transient(int64_t offset, cudaStream_t stream);
     // Offset of a tensor's region (its data pointer must lie in the pool).
     int64_t offset_of(const at::Tensor& t) const { return static_cast<char*>(t.data_ptr()) - base_; }
+    // Whether a contiguous tensor's bytes lie in the pool (peers can then read it where it is).
+    bool holds(const at::Tensor& t) const {
+        const char* begin = static_cast<const char*>(t.data_ptr());
+        return t.is_contiguous() && t.numel() > 0 && begin >= base_ && begin + t.nbytes() <= base_ + bytes_;
+    }
 
     // Copies every live output out of the pool (the pool's memory is about to be freed).
     void evict_all(cudaStream_t stream);

@@ -86,6 +86,13 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> 
     assert torch.equal(comb_c[1], comb_r[1]), "combined_topk_weights"
     comb_c = cuda.combine(y, hc, config=config)
     assert torch.equal(comb_c[0], ref.combine(y, hr)[0]), "combined_x without bias"
+    # Inputs that lie in the receive pool (recv_x itself, and its weights) are pulled by the sources; here even ranks
+    # pull and odd ranks push (a copy lies outside the pool), in one call.
+    pulled_x = out_c[0] if me % 2 == 0 else out_c[0].clone()
+    pulled_w = out_c[2] if me % 2 == 0 else out_c[2].clone()
+    comb_c = cuda.combine(pulled_x, hc, topk_weights=pulled_w, bias=biases, config=config)
+    comb_r = ref.combine(out_r[0], hr, topk_weights=out_r[2], bias=biases)
+    assert torch.equal(comb_c[0], comb_r[0]) and torch.equal(comb_c[1], comb_r[1]), "pulled / pushed combine"
 
     # Cached dispatch reproduces the layout for other data; fp32 combine too.
     x2 = (x.float() * 3 - 1).to(torch.bfloat16)
