@@ -87,8 +87,8 @@ class Config:
     ) -> int:
         """Bytes of NVLink buffer a rank needs for this config: ``hidden_bytes = hidden * max(element_size, 2)``.
 
-        Without ``num_max_tokens_per_rank`` this is the ring-queue size of the DeepEP-compatible contract (what the
-        ``Buffer`` checks). The CUDA intranode engine receives every row straight into the buffer, so it needs room
+        Without ``num_max_tokens_per_rank`` this is DeepEP's ring-queue size (for code sized the DeepEP way; nothing
+        enforces it). The CUDA intranode engine receives every row straight into its receive pool, so it needs room
         for all rows a rank can receive: pass ``num_max_tokens_per_rank`` (the most tokens any rank passes to one
         call) to get a size that also holds the worst case, every rank's tokens routed to one rank.
         """
