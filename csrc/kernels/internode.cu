@@ -21,29 +21,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kAlign = 128;  // every region starts on a 128-byte boundary (16-byte vectors, whole lines)
 constexpr int kFp8GroupSize = 128;
 
-enum Stage : int {
-    kStageNotify = 0,
-    kStageDispatchStart = 1,
-    kStageDispatchSent = 2,
-    kStageDispatchForwarded = 3,
-    kStageCombineStart = 4,
-    kStageCombineNvl = 5,
-    kStageCombineRdma = 6,
-};
-
-__device__ const char* stage_name(int stage) {
-    switch (stage) {
-        case kStageNotify: return "notify: waiting for the peer's counts";
-        case kStageDispatchStart: return "cached dispatch: waiting for the peer to finish its previous call";
-        case kStageDispatchSent: return "dispatch: waiting for the peer's RDMA puts";
-        case kStageDispatchForwarded: return "dispatch: waiting for the peer's NVLink forwarding";
-        case kStageCombineStart: return "combine: waiting for the peer to finish its previous call";
-        case kStageCombineNvl: return "combine: waiting for the peer's expert outputs (NVLink leg)";
-        case kStageCombineRdma: return "combine: waiting for the peer's node partials (RDMA leg)";
-        default: return "unknown stage";
-    }
-}
-
 // ------------------------------------------------------------------ NVSHMEM wrappers (no-ops without NVSHMEM: the
 // buffer cannot be created then, so these kernels never run)
 __device__ __forceinline__ void signal_add(uint64_t* sig, int pe) {
@@ -80,7 +57,7 @@ __device__ void wait_signal(const Layout& L, const Ctx& c, int peer, unsigned lo
         if (sync::global_timer_ns() - start > static_cast<uint64_t>(c.timeout_ns)) {
             printf("ep_dispatcher: timeout after %lld ms on rank %d (node %d) waiting for rank %d, internode stage '%s' (epoch %llu, "
                    "have %llu)\n",
-                   static_cast<long long>(c.timeout_ns / 1000000), c.rank, c.node, peer, stage_name(stage), epoch,
+                   static_cast<long long>(c.timeout_ns / 1000000), c.rank, c.node, peer, sync::stage_name(stage), epoch,
                    static_cast<unsigned long long>(sync::load_acquire_sys(sig)));
             asm volatile("trap;");
         }
@@ -150,7 +127,7 @@ __global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, c
     int* area = reinterpret_cast<int*>(c.local + L.notify_area_offset) + parity_shared * R * S;
     for (int p = threadIdx.x; p < R; p += blockDim.x)
         put_with_signal(area + c.rank * S, stage + p * S, static_cast<size_t>(W) * sizeof(int), signals(L, c) + c.rank, p);
-    for (int q = threadIdx.x; q < R; q += blockDim.x) wait_signal(L, c, q, epoch, kStageNotify);
+    for (int q = threadIdx.x; q < R; q += blockDim.x) wait_signal(L, c, q, epoch, sync::kStageInternodeNotify);
     __syncthreads();
     const volatile int* counts = area;  // written by peers' puts: read around the L1
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) count_matrix[i] = counts[(i / R) * S + i % R];
@@ -591,33 +568,33 @@ void dispatch(const Layout& L, const Ctx& c, const Fields& F, const void* x, con
                                                                                    rdma_send_pos, num_tokens);
         EP_CUDA_CHECK(cudaGetLastError());
     }
-    barrier(L, c, kStageDispatchSent, stream);
+    barrier(L, c, sync::kStageInternodeDispatchSent, stream);
     // The received message count is only known on the device: num_sms blocks loop over it.
     forward_kernel<<<std::max(1, num_sms), kThreads, 0, stream>>>(L, c, F, xb, sb, topk_idx, topk_weights, num_local_experts, send_pos,
                                                                    rdma_send_pos, count_matrix, node_count, num_tokens, fwd_pos, fwd_stride,
                                                                    recv_capacity, recv_x_offset, recv_scales_offset, recv_topk_offset,
                                                                    recv_weights_offset, recv_src_offset);
     EP_CUDA_CHECK(cudaGetLastError());
-    barrier(L, c, kStageDispatchForwarded, stream);
+    barrier(L, c, sync::kStageInternodeDispatchForwarded, stream);
 }
 
-void cached_dispatch_start(const Layout& L, const Ctx& c, cudaStream_t stream) { barrier(L, c, kStageDispatchStart, stream); }
+void cached_dispatch_start(const Layout& L, const Ctx& c, cudaStream_t stream) { barrier(L, c, sync::kStageInternodeDispatchStart, stream); }
 
 void combine(const Layout& L, const Ctx& c, const Fields& F, FloatType type, const void* x, const float* topk_weights, const void* bias0,
              const void* bias1, const int* rdma_send_pos, const int* count_matrix, const int* node_count, const int* fwd_pos, int fwd_stride,
              int num_tokens, void* out, float* out_weights, int num_sms, cudaStream_t stream) {
     EP_HOST_ASSERT(num_tokens <= L.max_tokens, "num_tokens=", num_tokens, " exceeds the layout's max_tokens=", L.max_tokens);
     const int grid = std::max(1, num_sms);
-    barrier(L, c, kStageCombineStart, stream);  // every rank is done with the buffer's previous use
+    barrier(L, c, sync::kStageInternodeCombineStart, stream);  // every rank is done with the buffer's previous use
     comb_nvl_send_kernel<<<grid, kThreads, 0, stream>>>(L, c, F, static_cast<const uint8_t*>(x), topk_weights, count_matrix);
     EP_CUDA_CHECK(cudaGetLastError());
-    barrier(L, c, kStageCombineNvl, stream);
+    barrier(L, c, sync::kStageInternodeCombineNvl, stream);
     if (type == FloatType::kBFloat16)
         comb_forward_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(L, c, F, count_matrix, node_count, fwd_pos, fwd_stride);
     else
         comb_forward_kernel<float><<<grid, kThreads, 0, stream>>>(L, c, F, count_matrix, node_count, fwd_pos, fwd_stride);
     EP_CUDA_CHECK(cudaGetLastError());
-    barrier(L, c, kStageCombineRdma, stream);
+    barrier(L, c, sync::kStageInternodeCombineRdma, stream);
     if (num_tokens == 0) return;
     const int reduce_grid = data_grid(num_sms, num_tokens);
     if (type == FloatType::kBFloat16)

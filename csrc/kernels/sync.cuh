@@ -58,6 +58,13 @@ __device__ __forceinline__ const char* stage_name(int stage) {
         case kStageCombineData: return "combine: waiting for peers' expert outputs";
         case kStageDispatchReady: return "dispatch: waiting for peers' receive offsets";
         case kStageCombineDone: return "combine: waiting for peers to finish reading this rank's expert outputs";
+        case kStageInternodeNotify: return "notify: waiting for the peer's counts";
+        case kStageInternodeDispatchStart: return "cached dispatch: waiting for the peer to finish its previous call";
+        case kStageInternodeDispatchSent: return "dispatch: waiting for the peer's RDMA puts";
+        case kStageInternodeDispatchForwarded: return "dispatch: waiting for the peer's NVLink forwarding";
+        case kStageInternodeCombineStart: return "combine: waiting for the peer to finish its previous call";
+        case kStageInternodeCombineNvl: return "combine: waiting for the peer's expert outputs (NVLink leg)";
+        case kStageInternodeCombineRdma: return "combine: waiting for the peer's node partials (RDMA leg)";
         default: return "unknown stage";
     }
 }

@@ -145,9 +145,7 @@ int64_t RecvPool::transient(int64_t bytes, cudaStream_t stream) {
     return offset;
 }
 
-void RecvPool::release_transient(int64_t offset, cudaStream_t stream) {
-    // A region used while a graph was captured is written by every replay: it stays the graph's.
-    if (capturing(stream)) return;
+void RecvPool::release(int64_t offset, cudaStream_t stream) {
     std::unique_lock<std::mutex> lock(mutex_);
     for (auto it = live_.begin(); it != live_.end(); ++it) {
         if (it->offset != offset) continue;
@@ -157,15 +155,13 @@ void RecvPool::release_transient(int64_t offset, cudaStream_t stream) {
     }
 }
 
+void RecvPool::release_transient(int64_t offset, cudaStream_t stream) {
+    // A region used while a graph was captured is written by every replay: it stays the graph's.
+    if (!capturing(stream)) release(offset, stream);
+}
+
 void RecvPool::released(int64_t offset) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (auto it = live_.begin(); it != live_.end(); ++it) {
-        if (it->offset != offset) continue;
-        pending_.push_back(Freed{offset, it->bytes, stream});
-        live_.erase(it);
-        return;
-    }
+    release(offset, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
 }
 
 void RecvPool::evict_all(cudaStream_t stream) {

@@ -75,7 +75,8 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
     void settle_locked(cudaStream_t stream);
     bool evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock);
     int64_t largest_free_locked() const;
-    void released(int64_t offset);  // a tensor's deleter
+    void release(int64_t offset, cudaStream_t stream);  // queues the region for reuse once `stream` is past its last use
+    void released(int64_t offset);                       // a tensor's deleter
     static bool capturing(cudaStream_t stream);
 
     char* base_;
