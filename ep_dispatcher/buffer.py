@@ -10,13 +10,13 @@ got and what it expects), runs the call (on the communication stream when the ca
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import config as _config
+from . import settings
 from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
@@ -29,7 +29,7 @@ from .validation import (
     split_fp8,
 )
 
-DEFAULT_TIMEOUT_S = 100.0  # a wait that takes this long is a bug (deadlock, dead peer), not a slow network
+DEFAULT_TIMEOUT_S = settings.DEFAULT_TIMEOUT_S
 _BACKENDS = ("auto", "cuda", "reference")
 _buffer_ids = itertools.count(1)
 
@@ -113,7 +113,7 @@ class Buffer:
                 f"num_ranks_per_node={self.num_ranks_per_node}"
             )
         if timeout_s is None:
-            timeout_s = float(os.environ.get("EP_DISPATCHER_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+            timeout_s = settings.timeout_s()
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)

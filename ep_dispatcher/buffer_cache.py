@@ -7,13 +7,13 @@ up. The Megatron and DeepSpeed plugins each keep one :class:`BufferCache`.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from .buffer import Buffer
+from . import settings
 from .config import default_ranks_per_node, gpu_config_name, load_tuned_config
 
 MIN_TOKENS = 1024  # token counts are rounded up to a power of two from here, so a small change does not re-create
@@ -57,7 +57,7 @@ class BufferCache:
 
     def backend(self) -> str:
         """``backend`` of buffers created from now on: the override, else env ``backend_env``, else ``"auto"``."""
-        return self.backend_override or os.environ.get(self.backend_env, "auto")
+        return self.backend_override or settings.plugin_backend(self.backend_env)
 
     def get(self, group: dist.ProcessGroup, hidden_bytes: int, num_tokens: int) -> Buffer:
         """The cached buffer of ``group``, large enough for ``num_tokens`` rows per rank of ``hidden_bytes``.

@@ -9,16 +9,17 @@ Tuned values per (GPU, number of ranks) live in ``configs/*.json`` and are read 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
+
+from . import settings
 from pathlib import Path
 
 NUM_MAX_TOPK = 16  # widest top-k the engine's per-token metadata slot holds (DeepSeek-V3 uses 8)
 FP8_GROUP_SIZE = 128  # channels per FP8 scale
 BUFFER_ALIGNMENT = 128  # every region of the registered buffer starts on a 128-byte boundary (TMA, 16-B vectors)
-DEFAULT_RANKS_PER_NODE = 8  # GPUs of one NVLink domain unless told otherwise
+DEFAULT_RANKS_PER_NODE = settings.DEFAULT_RANKS_PER_NODE  # GPUs of one NVLink domain unless told otherwise
 DEFAULT_MAX_TOKENS_PER_RANK = 4096  # internode buffer sizing default: the training/prefill shape of DESIGN.md
 INTERNODE_MAX_LOCAL_EXPERTS = 1024  # experts per rank a count slot of the internode engine holds
 NUM_LOW_LATENCY_BUFFERS = 2  # LL calls alternate between two halves, so one call's output survives the next call
@@ -139,7 +140,7 @@ class Config:
 
 def default_ranks_per_node() -> int:
     """Ranks per node when none is given: env ``EP_DISPATCHER_RANKS_PER_NODE``, else 8 (also Buffer's default)."""
-    return int(os.environ.get("EP_DISPATCHER_RANKS_PER_NODE", DEFAULT_RANKS_PER_NODE))
+    return settings.ranks_per_node()
 
 
 def internode_layout_bytes(hidden_bytes: int, num_ranks: int, num_ranks_per_node: int, max_tokens: int) -> int:
@@ -209,8 +210,8 @@ def get_low_latency_rdma_size_hint(
 
 def _config_dirs() -> list[Path]:
     dirs = []
-    if os.environ.get("EP_DISPATCHER_CONFIG_DIR"):
-        dirs.append(Path(os.environ["EP_DISPATCHER_CONFIG_DIR"]))
+    if settings.config_dir():
+        dirs.append(Path(settings.config_dir()))
     dirs.append(Path(__file__).resolve().parent.parent / "configs")  # source checkout / editable install
     try:
         from importlib.resources import files

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, settings
 from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceBackend
@@ -492,8 +491,8 @@ _NVSHMEM_HEAP_SLACK = 256 << 20  # NVSHMEM keeps its own state in the symmetric 
 def internode_engine_enabled() -> bool:
     """The internode kernels run for a Buffer spanning nodes unless ``EP_DISPATCHER_INTERNODE_ENGINE=0``, which
     selects the reference implementation instead (same results, slower; e.g. to rule the kernels out when
-    debugging). They passed the GPU tests on virtual nodes of one GPU (benchmarks/RESULTS.md, 2026-12-03)."""
-    return os.environ.get("EP_DISPATCHER_INTERNODE_ENGINE", "1") != "0"
+    debugging). They passed the GPU tests on virtual nodes of one GPU (benchmarks/RESULTS.md)."""
+    return settings.internode_engine_enabled()
 
 
 def ranks_sharing_this_gpu(group: dist.ProcessGroup) -> int:
@@ -510,25 +509,13 @@ def _low_latency_max_blocks(group: dist.ProcessGroup) -> int:
     resident together (one 512-thread block per SM always fits): SMs / ranks on the GPU. Env override:
     ``EP_DISPATCHER_LL_MAX_BLOCKS``."""
     sharing = ranks_sharing_this_gpu(group)  # collective: computed even when the env var is set
-    if "EP_DISPATCHER_LL_MAX_BLOCKS" in os.environ:
-        return max(1, int(os.environ["EP_DISPATCHER_LL_MAX_BLOCKS"]))
+    if settings.low_latency_max_blocks() is not None:
+        return settings.low_latency_max_blocks()
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return max(1, sm_count // sharing)
 
 
 _nvshmem_reserved = 0  # symmetric bytes held by this process's live buffers (low-latency and internode)
-
-
-def _heap_bytes() -> Optional[int]:
-    """NVSHMEM_SYMMETRIC_SIZE as bytes (accepts NVSHMEM's k/m/g/t suffixes), None when unset or unparsable."""
-    text = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "").strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    try:
-        if text and text[-1] in scale:
-            return int(float(text[:-1]) * scale[text[-1]])
-        return int(text) if text else None
-    except ValueError:
-        return None
 
 
 def _release_nvshmem(num_bytes: int) -> None:
@@ -545,7 +532,7 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_
     """
     global _nvshmem_reserved
     if _C.nvshmem_is_initialized():
-        heap = _heap_bytes()
+        heap = settings.nvshmem_symmetric_size()
         # Certain not to fit (NVSHMEM's own state needs room too, so nvshmem_malloc may still fail short of this).
         if heap is not None and _nvshmem_reserved + num_rdma_bytes > heap:
             raise ValueError(
@@ -558,7 +545,7 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_
         _nvshmem_reserved += num_rdma_bytes
         return
     # NVSHMEM sizes its symmetric heap from the environment at init; make room for this buffer unless the user chose.
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(num_rdma_bytes + _NVSHMEM_HEAP_SLACK))
+    settings.default_nvshmem_symmetric_size(num_rdma_bytes + _NVSHMEM_HEAP_SLACK)
     _nvshmem_reserved += num_rdma_bytes
     unique_id = [_C.nvshmem_get_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
