@@ -145,10 +145,13 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
 using FreshDispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor,  // recv x/scales/topk/weights/src
                                         at::Tensor, at::Tensor, at::Tensor, OptTensor,            // send_pos, counts, prefix, per expert
                                         OptTensor, std::vector<int64_t>, int64_t,                 // host counts, host list, rows
-                                        int64_t, int64_t>;  // rows this rank sent (combine gets them back), most any rank sent
+                                        int64_t, int64_t,   // rows this rank sent (combine gets them back), most any rank sent
+                                        int64_t>;           // > 0: the pool bytes the call needs; it did not run (grow, retry)
 
 // One C++ entry for a fresh dispatch: send positions and content checks on the device, the count exchange, the host's
 // wait for the counts (host-mapped memory, no stream sync; skipped with num_worst_tokens), then the data kernels.
+// When some rank's rows do not fit in its empty receive pool, every rank returns the pool size the call needs instead
+// (all see the same counts), so that the caller grows the pools together and calls again.
 FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
                                     const OptTensor& topk_weights, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
                                     const OptTensor& num_tokens_per_expert, int64_t num_experts, int64_t expert_alignment,
@@ -218,8 +221,11 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
             most_sent = std::max(most_sent, sent);
             if (dst == rank) rows_out = rows, sent_rows = sent;
         }
-        TORCH_CHECK_VALUE(most <= capacity, "num_nvl_bytes: this dispatch needs ", most, " rows on some rank but the buffer holds ", capacity,
-                          " rows of this shape (", buffer.data_bytes(), " data bytes); create the Buffer with more num_nvl_bytes");
+        if (most > capacity) {
+            const int64_t needed = intranode::dispatch_bytes(most, x_row, scale_row, num_topk, true);
+            return {x, std::nullopt, std::nullopt, std::nullopt, send_pos, send_pos, count_matrix, rank_prefix_matrix, std::nullopt,
+                    std::nullopt, {}, -1, 0, 0, needed};
+        }
         per_expert_list.assign(report.recv_per_expert, report.recv_per_expert + num_per_expert);
     } else {
         buffer.unchecked_report_tag = tag;
@@ -228,7 +234,7 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
         dispatch(buffer, x, scales, topk_idx, topk_weights, num_local_experts, is_token_in_rank, send_pos, count_matrix, rows_out, num_sms,
                  timeout_ns, true);
     return {recv_x, recv_scales, recv_topk, recv_weights, recv_src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
-            count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent};
+            count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent, 0};
 }
 
 // Combine: this rank takes a transient region of its pool for the rows coming back (sent_rows of them: the rows it
@@ -319,6 +325,8 @@ void register_intranode(py::module_& m) {
         .def("poison_receive_pool", [](IpcBuffer& b, bool on) { b.pool().set_poison(on); }, py::arg("on"),
              "Tests: fill every new receive region with 0xff, so rows a kernel fails to write show up.");
     m.attr("INTRANODE_SIGNAL_BYTES") = static_cast<int64_t>(intranode::kSignalBytes);
+    m.def("intranode_combine_bytes", &intranode::combine_bytes, py::arg("rows"), py::arg("x_row_bytes"), py::arg("num_topk"),
+          "Receive-pool bytes a combine of `rows` returned rows takes.");
     m.attr("INTRANODE_MAX_RANKS") = intranode::kMaxRanks;
     m.attr("INTRANODE_MAX_EXPERTS") = intranode::kMaxExperts;
     m.def("intranode_dispatch_fresh", &dispatch_fresh, py::arg("buffer"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"),

@@ -48,12 +48,7 @@ class CudaBackend(ReferenceBackend):
                 raise ValueError(
                     f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {num_ranks}"
                 )
-            device = torch.cuda.current_device()
-            self.ipc = _C.IpcBuffer(rank, num_ranks, num_nvl_bytes, device)
-            handles: List[bytes] = [b""] * num_ranks
-            dist.all_gather_object(handles, self.ipc.ipc_handle(), group=group)
-            self.ipc.open_peers(handles)
-            dist.barrier(group=group)  # every rank has mapped every buffer before anyone writes
+            self.ipc = self._open_ipc(num_nvl_bytes)
         self.ll: Optional["_C.LowLatencyBuffer"] = None
         self.internode: Optional["_C.InternodeBuffer"] = None
         self._internode_capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
@@ -81,6 +76,26 @@ class CudaBackend(ReferenceBackend):
                 rank, num_ranks, num_ranks_per_node, num_rdma_bytes, self.timeout_ns, torch.cuda.current_device()
             )
             self._nvshmem_bytes = num_rdma_bytes
+
+    def _open_ipc(self, num_bytes: int) -> "_C.IpcBuffer":
+        """This rank's CUDA-IPC buffer (signal area + receive pool of ``num_bytes``), with every peer's mapped
+        (collective)."""
+        ipc = _C.IpcBuffer(self.rank, self.num_ranks, num_bytes, torch.cuda.current_device())
+        handles: List[bytes] = [b""] * self.num_ranks
+        dist.all_gather_object(handles, ipc.ipc_handle(), group=self.group)
+        ipc.open_peers(handles)
+        dist.barrier(group=self.group)  # every rank has mapped every buffer before anyone writes
+        return ipc
+
+    def _grow_receive_pool(self, needed_bytes: int) -> None:
+        """Replace the receive pool by one of twice ``needed_bytes`` (room for one call's outputs and the next call).
+
+        Collective, and every rank calls it at the same point: the need comes from the count matrix, which all ranks
+        share. Outputs still alive in the old pool move out of it (copied, their storage re-pointed) before it goes.
+        """
+        old = self.ipc
+        self.ipc = self._open_ipc(max(2 * int(needed_bytes), old.data_bytes))
+        old.destroy()
 
     @staticmethod
     def _num_sms(config: Optional[Config]) -> int:
@@ -166,14 +181,21 @@ class CudaBackend(ReferenceBackend):
             )
         # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
         # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
-        (
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-            send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
-            sent_rows, most_sent,
-        ) = _C.intranode_dispatch_fresh(
-            self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-            num_experts or 0, expert_alignment, num_worst_tokens, self._num_sms(config), self.timeout_ns,
-        )
+        # A call whose rows do not fit in some rank's empty pool returns the size it needs, on every rank alike
+        # (same counts): the pools grow together and the call runs again (once; the grown pool holds it).
+        for _ in range(2):
+            (
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
+                send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
+                sent_rows, most_sent, pool_bytes_needed,
+            ) = _C.intranode_dispatch_fresh(
+                self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                num_tokens_per_expert, num_experts or 0, expert_alignment, num_worst_tokens, self._num_sms(config),
+                self.timeout_ns,
+            )
+            if pool_bytes_needed == 0:
+                break
+            self._grow_receive_pool(pool_bytes_needed)
         handle = self._engine_handle(
             buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
             expert_alignment, rank_prefix_matrix=rank_prefix_matrix, count_matrix_host=count_matrix_host,
@@ -200,14 +222,6 @@ class CudaBackend(ReferenceBackend):
             expert_alignment=expert_alignment,
             backend_state={"engine": "cuda", "count_matrix": count_matrix, **state},
         )
-
-    def _check_capacity(self, needed, capacity: int, what: str) -> None:
-        needed = int(needed)
-        if needed > capacity:
-            raise ValueError(
-                f"num_nvl_bytes: this {what} needs {needed} rows on some rank but the buffer holds {capacity} rows "
-                f"of this shape ({self.ipc.data_bytes} data bytes); create the Buffer with more num_nvl_bytes"
-            )
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         state = handle.backend_state
@@ -240,11 +254,13 @@ class CudaBackend(ReferenceBackend):
         if not (self._uses_engine(x) and state.get("engine") == "cuda" and x.dtype in _COMBINE_DTYPES):
             return super().combine(x, self._reference_view(handle), topk_weights, bias)
         num_sms = self._num_sms(config)
-        # Every rank checks the most rows any rank gets back (all know the count matrix), so all raise together.
+        # Every rank checks the most rows any rank gets back (all know the count matrix), so all grow together.
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        self._check_capacity(
-            state["most_sent"], self.ipc.combine_capacity(x.size(1) * x.element_size(), num_topk), "combine"
-        )
+        row_bytes = x.size(1) * x.element_size()
+        # With num_worst_tokens the host has no counts (most_sent is then a bound of this rank's alone): no growth.
+        known = state["count_matrix_host"] is not None
+        if known and state["most_sent"] > self.ipc.combine_capacity(row_bytes, num_topk):
+            self._grow_receive_pool(_C.intranode_combine_bytes(state["most_sent"], row_bytes, num_topk))
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
         return _C.intranode_combine(

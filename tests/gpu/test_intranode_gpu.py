@@ -287,12 +287,19 @@ def _lifetime_worker(rank: int, world: int) -> int:
         for j, (a, b, c, a0, b0, c0) in enumerate(kept):
             same = torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0)
             assert same, f"output {j} changed at iteration {it}"
-    # A call that cannot fit even in the empty pool raises on every rank (all see the same counts), and nothing hangs.
+    # A call that does not fit even in the empty pool grows every rank's pool (all see the same counts) and runs;
+    # the outputs kept so far move out of the old pool, unchanged.
     big_idx = torch.randint(0, num_experts, (20 * num_tokens, 1), device=device)
     big_x = torch.randn((20 * num_tokens, hidden), device=device).to(torch.bfloat16)
     per_rank, _, _, in_rank, _ = cuda.get_dispatch_layout(big_idx, num_experts)
-    with pytest.raises(ValueError, match="num_nvl_bytes"):
-        cuda.dispatch(big_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, config=config)
+    big_recv, _, _, _, big_handle, _ = cuda.dispatch(
+        big_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, config=config
+    )
+    assert cuda._backend.ipc.data_bytes > pool_bytes, "the receive pool grew"
+    big_out, _, _ = cuda.combine(big_recv, big_handle, config=config)
+    assert torch.equal(big_out, (big_x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)), "grown pool"
+    for j, (a, b, c, a0, b0, c0) in enumerate(kept):
+        assert torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0), f"output {j} changed by the growth"
     torch.cuda.synchronize()
     cuda.destroy()
     for j, (a, b, c, a0, b0, c0) in enumerate(kept):
