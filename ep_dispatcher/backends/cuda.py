@@ -147,6 +147,7 @@ class CudaBackend(ReferenceBackend):
                 expert_alignment,
                 num_worst_tokens,
                 buffer_id,
+                num_tokens_per_expert=num_tokens_per_expert,
             )
         num_sms = (config or Config()).num_sms
         # Position of each token among this rank's tokens for each destination (source order kept).
