@@ -257,7 +257,7 @@ class Buffer:
         if scratch is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
             scratch = self._local_buffers[which] = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         check_int("offset", offset, minimum=0)
         usable = num_bytes // itemsize - offset
         if usable < 0:
@@ -307,7 +307,11 @@ class Buffer:
 
     def _check_handle(self, handle, kind: type):
         if not isinstance(handle, kind):
-            raise TypeError(f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
+            raise TypeError(
+                f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}; DeepEP "
+                "accepts any tuple of its layout, here pass the handle object the dispatch returned (it is that tuple, "
+                "and carries what our engines need besides)"
+            )
         if handle.buffer_id != self.buffer_id:
             raise ValueError(
                 f"handle: it was created by another Buffer (id {handle.buffer_id}), not this one "
@@ -558,6 +562,35 @@ class Buffer:
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
         new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
+
+    def internode_dispatch(
+        self,
+        x: FloatPayload,
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """DeepEP's internal ``internode_dispatch`` (its argument order, no ``num_worst_tokens``): ``dispatch``."""
+        return self.dispatch(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            topk_idx, topk_weights, expert_alignment, 0, config, previous_event, async_finish, allocate_on_comm_stream,
+        )
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                          async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's internal ``internode_combine``: ``combine``."""
+        return self.combine(
+            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+        )
 
     def combine(
         self,

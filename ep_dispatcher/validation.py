@@ -76,7 +76,9 @@ def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int, distinct: boo
         token = int(repeated.any(dim=1).nonzero()[0, 0])
         raise ValueError(
             f"topk_idx: token {token} lists an expert more than once ({topk_idx[token].tolist()}); "
-            "low-latency calls expect distinct experts per token (-1 may repeat)"
+            "low-latency calls expect distinct experts per token (-1 may repeat). Stricter than DeepEP on purpose "
+            "(its kernels would give the expert the token twice and combine would count it twice): mask repeats "
+            "with -1, e.g. as torch.topk's indices never repeat"
         )
 
 

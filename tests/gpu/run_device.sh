@@ -2,7 +2,8 @@
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
 # Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
-#   (default: all, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench, each also a phase.
+#   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
+#   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/).
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
@@ -82,7 +83,12 @@ for phase in $PHASES; do
             tests/gpu/test_dbo_gpu.py tests/test_extension_import.py
         ;;
     ll)
-        gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py
+        gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py tests/gpu/test_logfmt_gpu.py
+        ;;
+    deepep_tests)
+        # DeepEP's own test_intranode.py (4 ranks) and test_low_latency.py (8 ranks, also --use-logfmt), unchanged
+        # but for the harness; each script starts and stops MPS per test. Logs: $OUT/deepep_*.log.
+        bash tests/gpu/deepep_tests/run_deepep_tests.sh || rc=1
         ;;
     bench) for sub in ll_bench intranode_bench dbo_bench megatron_bench; do "$sub"; done ;;
     ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench) "$phase" ;;
