@@ -563,27 +563,19 @@ class Buffer:
         new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
-    def internode_dispatch(
-        self,
-        x: FloatPayload,
-        handle: Optional[DispatchHandle] = None,
-        num_tokens_per_rank: Optional[torch.Tensor] = None,
-        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-        is_token_in_rank: Optional[torch.Tensor] = None,
-        num_tokens_per_expert: Optional[torch.Tensor] = None,
-        topk_idx: Optional[torch.Tensor] = None,
-        topk_weights: Optional[torch.Tensor] = None,
-        expert_alignment: int = 1,
-        config: Optional[Config] = None,
-        previous_event: Optional[EventOverlap] = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """DeepEP's internal ``internode_dispatch`` (its argument order, no ``num_worst_tokens``): ``dispatch``."""
-        return self.dispatch(
-            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-            topk_idx, topk_weights, expert_alignment, 0, config, previous_event, async_finish, allocate_on_comm_stream,
-        )
+    # DeepEP's internode_dispatch takes dispatch's arguments in this order, without num_worst_tokens.
+    _INTERNODE_DISPATCH_ARGS = (
+        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank", "num_tokens_per_expert",
+        "topk_idx", "topk_weights", "expert_alignment", "config", "previous_event", "async_finish",
+        "allocate_on_comm_stream",
+    )
+
+    def internode_dispatch(self, *args, **kwargs):
+        """DeepEP's internal ``internode_dispatch`` (its positional order, no ``num_worst_tokens``): ``dispatch``."""
+        if len(args) > len(self._INTERNODE_DISPATCH_ARGS):
+            raise TypeError(f"internode_dispatch: at most {len(self._INTERNODE_DISPATCH_ARGS)} positional arguments")
+        kwargs.update(zip(self._INTERNODE_DISPATCH_ARGS, args))
+        return self.dispatch(**kwargs)
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                           async_finish=False, allocate_on_comm_stream=False):

@@ -382,6 +382,15 @@ def _names_worker(rank: int, num_ranks: int) -> None:
     assert torch.equal(buffer.get_local_buffer_tensor(torch.float32), torch.full((1024,), float(rank)))
     with pytest.raises(ValueError, match=r"size: \[100, 100\] needs 10000 elements"):
         buffer.get_local_buffer_tensor(torch.float32, torch.Size([100, 100]))
+    # DeepEP's internal internode_dispatch/internode_combine (its positional order) forward to dispatch/combine.
+    topk_idx = torch.tensor([[rank], [(rank + 1) % num_ranks]], dtype=torch.int64)
+    big = deep_ep.Buffer(dist.group.WORLD, int(1e8))
+    per_rank, _, per_expert, in_rank, _ = big.get_dispatch_layout(topk_idx, num_ranks)
+    x = torch.randn((2, 16), generator=torch.Generator().manual_seed(rank)).bfloat16()
+    recv, _, _, recv_list, handle, _ = big.internode_dispatch(x, None, per_rank, None, in_rank, per_expert)
+    assert recv_list == [2] and recv.shape == (2, 16)
+    combined, _, _ = big.internode_combine(recv, handle)
+    assert torch.equal(combined, x)
     runtime = buffer.runtime
     assert runtime.is_available() and runtime.get_num_rdma_ranks() == 1 and runtime.get_rdma_rank() == 0
     assert runtime.get_local_device_id() == -1 and runtime.get_local_buffer_tensor(torch.uint8).numel() == 4096
