@@ -275,6 +275,12 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                     expected = current_x.float() * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1, keepdim=True)
                     diff = calc_diff(expected, combined_x)
                     assert diff < (9e-4 if use_fp8 else 1e-5), (diff, use_fp8, zero_copy, use_logfmt)  # DeepEP's bounds
+                    if use_logfmt and current_x is x_small and not zero_copy:
+                        # The format did apply: the plain BF16 combine of the same data differs.
+                        plain, _, hook = buffer.low_latency_combine(simulated, topk_idx, topk_weights, handle,
+                                                                    return_recv_hook=True)
+                        hook()
+                        assert not torch.equal(plain, combined_x)
     buffer.destroy()
 
 
