@@ -795,6 +795,10 @@ class Buffer:
             recv_scales = torch.empty(
                 (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
             ).transpose(1, 2)
+            if groups == 1:
+                # Same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps it,
+                # and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.
+                recv_scales = recv_scales.as_strided((num_local_experts, num_slots, 1), (num_slots, 1, 1))
         else:
             recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
             recv_scales = None

@@ -4,7 +4,8 @@
 # `from utils import init_dist, bench_kineto` get these.
 #  * init_dist: gloo (NCCL refuses several ranks on one GPU) and every rank on cuda:0; ranks run concurrently under
 #    MPS. Same environment variables as DeepEP's (MASTER_ADDR, MASTER_PORT, WORLD_SIZE = nodes, RANK = node rank).
-#  * gloo collectives on CUDA tensors are staged through host memory (gloo's CUDA support varies by collective).
+#  * gloo collectives on CUDA tensors are staged through host memory (gloo's CUDA support varies by collective), and
+#    all_gather_into_tensor goes through a list all-gather (gloo refuses DeepEP's [world, n, k] output shape).
 #  * bench_kineto times the whole fn with CUDA events instead of reading kernel names from a profile: every name gets
 #    the full duration of fn (divided by num_kernels_per_period when periods are asked for). The bandwidths the
 #    tests print from it are therefore lower bounds, not per-kernel figures.
@@ -51,9 +52,22 @@ def _ep_is_cuda(value):
     return isinstance(value, torch.Tensor) and value.is_cuda
 
 
+_ep_all_gather = _ep_dist.all_gather
+
+
+def _ep_all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    # gloo's all_gather_into_tensor wants a flat [world * n, ...] output; DeepEP's test passes [world, n, k]. The
+    # same result through a list all-gather on the host.
+    world = _ep_dist.get_world_size(group)
+    parts = [torch.empty(input_tensor.shape, dtype=input_tensor.dtype, device='cpu') for _ in range(world)]
+    _ep_all_gather(parts, input_tensor.cpu(), group=group)
+    output_tensor.copy_(torch.stack(parts).view(output_tensor.shape))
+    return None
+
+
 _ep_dist.all_reduce = _ep_host_staged(_ep_dist.all_reduce, (0,))
 _ep_dist.all_gather = _ep_host_staged(_ep_dist.all_gather, (0, 1))
-_ep_dist.all_gather_into_tensor = _ep_host_staged(_ep_dist.all_gather_into_tensor, (0, 1))
+_ep_dist.all_gather_into_tensor = _ep_all_gather_into_tensor
 
 
 def bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False,
