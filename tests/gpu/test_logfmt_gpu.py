@@ -1,5 +1,6 @@
-"""ep_dispatcher._C.logfmt_roundtrip (csrc/kernels/logfmt.cu) is bit-exact with ep_dispatcher.logfmt (the reference),
-and low_latency_combine(use_logfmt=True) on the CUDA backend matches the reference backend bit for bit.
+"""ep_dispatcher._C.logfmt_roundtrip (csrc/kernels/logfmt.cu) is bit-exact with ep_dispatcher.logfmt (the reference).
+The combine with use_logfmt=True on the CUDA backend runs in DeepEP's own test_low_latency.py --use-logfmt
+(tests/gpu/deepep_tests).
 
 Bit-exact is the claim: both follow the same float64 formulas operation by operation; a last-bit difference between
 CUDA's and libm's float64 log2/exp2 could move a value across a floor or a BF16 rounding boundary (about 1e-13 per
