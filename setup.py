@@ -205,6 +205,7 @@ def _cuda_extension_kwargs(version: str) -> dict:
     sources = [
         "csrc/ep_dispatcher_ext.cpp",
         "csrc/kernels/layout.cu",
+        "csrc/kernels/logfmt.cu",
         "csrc/kernels/intranode.cu",
         "csrc/intranode_bindings.cpp",
         "csrc/kernels/low_latency.cu",

@@ -102,6 +102,10 @@ def _buffer_info() -> dict:
 
 def _worker(rank: int, world: int, args) -> dict:
     warnings.filterwarnings("ignore")
+    if args.flex_switch:
+        import ep_dispatcher
+
+        ep_dispatcher.install_as_deep_ep()  # before megatron-core imports deep_ep
     from megatron.core import parallel_state
 
     device = _rank_device(rank, args)
@@ -116,7 +120,10 @@ def _worker(rank: int, world: int, args) -> dict:
     for name in example.DISPATCHERS:
         staged_calls.clear()
         step_s: list[float] = []
-        losses = example.train(run_args, name, rank, device, step_s)
+        if name == "deepep":
+            losses = example.train(run_args, name, rank, device, step_s)
+        else:
+            losses = example.train_second(run_args, rank, device, step_s)
         result["runs"][name] = {"losses": losses, "step_s": step_s, "staged_calls": dict(staged_calls)}
     result["buffer"] = _buffer_info()
     parallel_state.destroy_model_parallel()
@@ -181,10 +188,13 @@ def _print(args, s: dict) -> None:
     for name, d in s["dispatchers"].items():
         staged = ", ".join(f"{op} {n:g}" for op, n in d["staged_calls_per_step"].items()) or "-"
         print(f"  {name:10s} {d['median_step_ms']:10.2f} {d['tokens_per_s']:12.0f}  {staged}")
+    other = example.second_label(args)
+    if args.flex_switch:
+        print("  allgather row = Megatron's own flex/deepep dispatcher on ep_dispatcher via install_as_deep_ep()")
     ratio = s["dispatchers"]["allgather"]["median_step_ms"] / s["dispatchers"]["deepep"]["median_step_ms"]
-    print(f"  allgather / deepep step time: {ratio:.2f}x")
+    print(f"  {other} / deepep step time: {ratio:.2f}x")
     print(
-        f"  max |loss deepep - loss allgather| over {len(s['loss_diff_per_step'])} steps: {s['max_loss_diff']:.3e} "
+        f"  max |loss deepep - loss {other}| over {len(s['loss_diff_per_step'])} steps: {s['max_loss_diff']:.3e} "
         f"(tolerance {s['tolerance']:.1e}) -> {'OK' if s['ok'] else 'MISMATCH'}"
     )
 

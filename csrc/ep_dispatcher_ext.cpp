@@ -6,6 +6,7 @@
 // c10's stream/guard headers rather than ATen/cuda/CUDAContext.h: the latter pulls in cuBLAS/cuSPARSE headers,
 // which minimal CUDA toolkits (nvcc + cudart only) lack. c10::cuda::getCurrentCUDAStream is the same stream as
 // at::cuda::getCurrentCUDAStream.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include <unordered_map>
 
 #include "kernels/layout.cuh"
+#include "kernels/logfmt.cuh"
 #include "runtime/nvshmem_runtime.h"
 
 namespace py = pybind11;
@@ -102,6 +104,20 @@ DispatchLayout get_dispatch_layout(const at::Tensor& topk_idx, int64_t num_exper
     return {num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank};
 }
 
+// LogFMT-10 encode/decode round trip of a BF16 tensor (kernels/logfmt.cu); in place when `inplace`.
+at::Tensor logfmt_roundtrip(const at::Tensor& x, bool inplace) {
+    EP_CHECK_ARG(x.is_cuda(), "logfmt_roundtrip", "x: expected a CUDA tensor, got one on ", x.device());
+    EP_CHECK_ARG(x.scalar_type() == at::kBFloat16, "logfmt_roundtrip", "x: expected dtype bfloat16, got ", x.scalar_type());
+    EP_CHECK_ARG(x.is_contiguous(), "logfmt_roundtrip", "x: expected a contiguous tensor, got strides ", x.strides());
+    EP_CHECK_ARG(x.dim() >= 1 && x.size(-1) % logfmt::kGroupSize == 0, "logfmt_roundtrip",
+                 "x: expected the last dimension to be a multiple of ", logfmt::kGroupSize, ", got shape ", x.sizes());
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor out = inplace ? x : at::empty_like(x);
+    logfmt::roundtrip(x.data_ptr(), out.data_ptr(), x.numel() / logfmt::kGroupSize, c10::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
 std::string cuda_arch_list() {
     std::string archs = EP_STRINGIFY(EP_DISPATCHER_CUDA_ARCHS);
     std::replace(archs.begin(), archs.end(), '_', ';');
@@ -142,6 +158,10 @@ Returns:
      is_token_in_rank [num_tokens, num_ranks] bool)
 
 Raises ValueError for bad arguments, RuntimeError for CUDA errors.)doc");
+
+    m.def("logfmt_roundtrip", &ep::logfmt_roundtrip, py::arg("x"), py::arg("inplace") = false,
+          "LogFMT-10 encode + decode of a contiguous CUDA bfloat16 tensor (last dim % 128 == 0), bit-exact with "
+          "ep_dispatcher.logfmt.logfmt_roundtrip; returns a new tensor, or x itself when inplace.");
 
     m.def("has_nvshmem", &ep::nvshmem_runtime::built_with_nvshmem, "Whether this build links NVSHMEM (internode / low-latency kernels).");
 

@@ -26,6 +26,7 @@ from .validation import (
     check_topk_idx_range,
     is_capturing,
     low_latency_topk_error,
+    payload_for_backend,
     split_fp8,
 )
 
@@ -61,6 +62,8 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: low-latency kernels use NVLink P2P to peers that have it.
         allow_mnnvl: treat a multi-node NVLink domain as one node.
         explicitly_destroy: resources are freed by ``destroy()`` rather than at garbage collection.
+        comm: an ``mpi4py.MPI.Comm`` used when ``group`` is None (as DeepEP): its ranks become the group (the
+            default torch.distributed group is initialised from it if needed; see ``compat.group_from_comm``).
         backend: ``"auto"`` (CUDA engine when built and a GPU is visible, else reference), ``"cuda"`` or
             ``"reference"``.
         num_ranks_per_node: ranks of one NVLink domain (default: env ``EP_DISPATCHER_RANKS_PER_NODE`` or 8).
@@ -83,15 +86,22 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
+        comm=None,
         backend: str = "auto",
         num_ranks_per_node: Optional[int] = None,
         timeout_s: Optional[float] = None,
         validate_inputs: bool = True,
     ):
+        if group is None and comm is not None:
+            from .compat import group_from_comm
+
+            group = group_from_comm(comm)
+        self.comm = comm
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Buffer: torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group(...) before creating a Buffer"
+                "torch.distributed.init_process_group(...) before creating a Buffer, or pass comm= (an mpi4py "
+                "communicator)"
             )
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -144,6 +154,7 @@ class Buffer:
             self._backend = ReferenceBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
         self.buffer_id = next(_buffer_ids)
         self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._local_buffers: dict = {}  # get_local_buffer_tensor's scratch tensors, by which size they mirror
         self._destroyed = False
         self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
         self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
@@ -203,6 +214,68 @@ class Buffer:
         event.record(torch.cuda.current_stream())
         return EventOverlap(event)
 
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether the kernels were built for sm_90 (DeepEP's name; its tests skip FP8 when False). Always True on
+        the reference backend, which casts and moves FP8 in PyTorch."""
+        from .compat import is_sm90_compiled
+
+        return is_sm90_compiled()
+
+    @property
+    def runtime(self):
+        """DeepEP's ``buffer.runtime``: an object answering the C++ runtime's methods clients call
+        (``get_num_rdma_ranks()``, ``get_rdma_rank()``, ``get_local_device_id()``, ...; ``compat.Runtime``)."""
+        from .compat import Runtime
+
+        return Runtime(self)
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream this buffer runs its calls on (created on first use; high priority). ``None`` without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device(), priority=-1)
+        return self._comm_stream
+
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: Optional[torch.Size] = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """A ``dtype`` view of this rank's ``num_nvl_bytes`` (or, with ``use_rdma_buffer``, ``num_rdma_bytes``)
+        bytes, from element ``offset``; ``size`` reshapes the first ``size.numel()`` elements (DeepEP's signature).
+
+        Different from DeepEP on purpose: our engines lay out their registered memory per call (rows go straight to
+        their final place), so handing it out would let writes corrupt in-flight calls. This is a persistent tensor
+        of the same size owned by the Buffer (on the current GPU, else on the CPU), not shared with peers.
+        """
+        self._check_alive()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        which = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        scratch = self._local_buffers.get(which)
+        if scratch is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            scratch = self._local_buffers[which] = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        itemsize = dtype.itemsize
+        check_int("offset", offset, minimum=0)
+        usable = num_bytes // itemsize - offset
+        if usable < 0:
+            raise ValueError(f"offset: expected <= {num_bytes // itemsize} elements of {dtype} ({which}), got {offset}")
+        tensor = scratch[: num_bytes // itemsize * itemsize].view(dtype)[offset:]
+        if size is None:
+            return tensor
+        numel = torch.Size(size).numel()
+        if numel > tensor.numel():
+            raise ValueError(
+                f"size: {list(size)} needs {numel} elements, the buffer holds {tensor.numel()} from offset {offset}"
+            )
+        return tensor[:numel].view(size)
+
     def destroy(self) -> None:
         """Free the buffer's resources; the buffer cannot be used afterwards."""
         if self._destroyed:
@@ -240,7 +313,11 @@ class Buffer:
 
     def _check_handle(self, handle, kind: type):
         if not isinstance(handle, kind):
-            raise TypeError(f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
+            raise TypeError(
+                f"handle: expected a {kind.__name__} returned by this Buffer, got {type(handle).__name__}; DeepEP "
+                "accepts any tuple of its layout, here pass the handle object the dispatch returned (it is that tuple, "
+                "and carries what our engines need besides)"
+            )
         if handle.buffer_id != self.buffer_id:
             raise ValueError(
                 f"handle: it was created by another Buffer (id {handle.buffer_id}), not this one "
@@ -282,8 +359,8 @@ class Buffer:
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device=device, priority=-1)  # high priority: comm gates compute
         comm = self._comm_stream
-        if previous_event is not None and previous_event.event is not None:
-            comm.wait_event(previous_event.event)
+        if previous_event is not None and previous_event.cuda_event is not None:
+            comm.wait_event(previous_event.cuda_event)
         else:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
@@ -336,17 +413,16 @@ class Buffer:
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
     def _check_payload(self, name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Dispatch payloads: any dtype whose rows are a multiple of 16 bytes (as DeepEP), or a (data, scales) pair."""
         data, scales = split_fp8(name, x)
-        if scales is None:
-            check_tensor(name, data, dtypes=self._backend.float_dtypes)
-            if data.dim() != 2:
-                raise ValueError(f"{name}: expected shape [num_tokens, hidden], got {list(data.shape)}")
+        if data.dim() != 2:
+            raise ValueError(f"{name}: expected shape [num_tokens, hidden], got {list(data.shape)}")
         if data.size(1) * data.element_size() % 16 != 0:
             raise ValueError(
                 f"{name}: rows must be a multiple of 16 bytes (hidden * element_size % 16 == 0), "
                 f"got hidden={data.size(1)} with {data.dtype}"
             )
-        return data, scales
+        return payload_for_backend(data, scales)
 
     def _check_config(self, config, default: Callable[[int], Config]) -> Config:
         if config is None:
@@ -375,10 +451,13 @@ class Buffer:
         """Send each token to every rank holding one of its experts.
 
         Args:
-            x: ``[num_tokens, hidden] bfloat16`` (the reference backend also takes float16/32/64), or
-                ``(float8_e4m3fn [num_tokens, hidden], float32 scales [num_tokens, hidden / 128])``.
+            x: ``[num_tokens, hidden]`` of any dtype whose rows are a multiple of 16 bytes (bfloat16, uint8, ...), or
+                a pair ``(data [num_tokens, hidden], scales [num_tokens, num_scales])`` with float32 or int32 (packed
+                UE8M0) scales of any column count and any strides (e.g. column-major); rows move as bytes.
+            num_tokens_per_expert: ``[num_experts] int32``; with it (even without top-k) the per-expert receive list
+                is returned.
             handle: a handle from an earlier dispatch: cached mode, reuses its layout (no count exchange, no host
-                sync); the layout arguments must then be ``None``.
+                sync); as DeepEP, the layout arguments are then ignored and ``topk_idx``/``topk_weights`` must be None.
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert: from
                 ``get_dispatch_layout``.
             topk_idx ``[num_tokens, num_topk] int64`` / topk_weights ``[num_tokens, num_topk] float32``: optional.
@@ -390,7 +469,7 @@ class Buffer:
             ``recv_x`` in the form of ``x``, rows grouped by source rank ascending, source order kept;
             ``recv_topk_idx`` holds local expert ids (``-1`` for experts elsewhere, whose weight is 0). The counts
             also live on the device as ``handle.num_recv_tokens_per_expert``. Cached mode returns ``None`` for the
-            top-k outputs and the list.
+            top-k outputs, the list and the handle (as DeepEP: keep the handle you passed).
         """
         data, scales = self._check_payload("x", x)
         num_tokens = data.size(0)
@@ -401,15 +480,14 @@ class Buffer:
 
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
-            for name, value in (
-                ("num_tokens_per_rank", num_tokens_per_rank),
-                ("is_token_in_rank", is_token_in_rank),
-                ("num_tokens_per_expert", num_tokens_per_expert),
-                ("topk_idx", topk_idx),
-                ("topk_weights", topk_weights),
-            ):
+            # As DeepEP: the layout arguments are ignored in cached mode (the handle holds the layout); top-k
+            # arguments cannot be cached (DeepEP asserts they are None).
+            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
                 if value is not None:
-                    raise ValueError(f"{name}: must be None in cached mode (handle given); the handle holds the layout")
+                    raise ValueError(
+                        f"{name}: must be None in cached mode (handle given); the top-k ids and weights are received "
+                        "by the first (non-cached) dispatch only"
+                    )
             if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
             (recv, recv_scales), event = self._run(
@@ -420,7 +498,7 @@ class Buffer:
                 [data, scales],
                 lambda: self._backend.cached_dispatch(data, scales, handle, config=config),
             )
-            return wrap(recv, recv_scales), None, None, None, handle, event
+            return wrap(recv, recv_scales), None, None, None, None, event
 
         check_tensor(
             "is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size), device=device
@@ -439,22 +517,22 @@ class Buffer:
             )
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if (topk_idx is None) != (topk_weights is None):
+            missing = "topk_weights" if topk_weights is None else "topk_idx"
+            raise ValueError(f"{missing}: expected a tensor (topk_idx and topk_weights go together), got None")
+        if topk_idx is not None and num_tokens_per_expert is None:
+            raise ValueError(
+                "num_tokens_per_expert: expected the [num_experts] int32 tensor from get_dispatch_layout with "
+                "topk_idx (it gives the number of experts), got None"
+            )
         num_experts = None
-        if topk_idx is not None or topk_weights is not None or num_tokens_per_expert is not None:
-            for name, value in (
-                ("topk_idx", topk_idx),
-                ("topk_weights", topk_weights),
-                ("num_tokens_per_expert", num_tokens_per_expert),
-            ):
-                if value is None:
-                    raise ValueError(
-                        f"{name}: expected a tensor (topk_idx, topk_weights and num_tokens_per_expert go "
-                        "together), got None"
-                    )
+        if num_tokens_per_expert is not None:
+            # Without top-k (DeepEP allows it) the per-expert receive list still comes from these counts.
             check_tensor(
                 "num_tokens_per_expert", num_tokens_per_expert, dtypes=torch.int32, shape=(None,), device=device
             )
             num_experts = self._check_num_experts(num_tokens_per_expert.size(0))
+        if topk_idx is not None:
             self._check_topk_idx(topk_idx, num_tokens, num_experts, device, call="dispatch")
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=tuple(topk_idx.shape), device=device)
 
@@ -480,7 +558,29 @@ class Buffer:
             ),
         )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
+        new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
+
+    # DeepEP's internode_dispatch takes dispatch's arguments in this order, without num_worst_tokens.
+    _INTERNODE_DISPATCH_ARGS = (
+        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank", "num_tokens_per_expert",
+        "topk_idx", "topk_weights", "expert_alignment", "config", "previous_event", "async_finish",
+        "allocate_on_comm_stream",
+    )
+
+    def internode_dispatch(self, *args, **kwargs):
+        """DeepEP's internal ``internode_dispatch`` (its positional order, no ``num_worst_tokens``): ``dispatch``."""
+        if len(args) > len(self._INTERNODE_DISPATCH_ARGS):
+            raise TypeError(f"internode_dispatch: at most {len(self._INTERNODE_DISPATCH_ARGS)} positional arguments")
+        kwargs.update(zip(self._INTERNODE_DISPATCH_ARGS, args))
+        return self.dispatch(**kwargs)
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                          async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's internal ``internode_combine``: ``combine``."""
+        return self.combine(
+            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+        )
 
     def combine(
         self,
@@ -646,12 +746,13 @@ class Buffer:
         topk_idx: torch.Tensor,
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
         use_fp8: bool = True,
         round_scale: bool = False,
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
     ):
         """Decode-time dispatch into fixed expert-major buffers (no host sync).
 
@@ -665,6 +766,9 @@ class Buffer:
                 8-bit exponents, four per int32.
             return_recv_hook: launch only the send phase and return ``hook``; ``hook()`` runs the receive phase.
             cumulative_local_expert_recv_stats: optional ``[num_local_experts] int32``, incremented by ``recv_count``.
+            dispatch_wait_recv_cost_stats: optional ``[num_ranks] int64`` (DeepEP's check; its docstring says
+                ``[num_ranks, num_ranks]``): time spent waiting for each source rank's data, accumulated. See
+                ``_add_wait_cost`` for what each backend adds.
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``[E_local, num_ranks * max_tokens, hidden]``
             bf16, or with FP8 a pair ``(float8 data, scales)`` where scales are ``[E_local, num_ranks * max_tokens,
@@ -701,6 +805,7 @@ class Buffer:
                 shape=(num_local_experts,),
                 device=x.device,
             )
+        self._check_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, x.device)
         self._enter_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
         half = self._take_low_latency_half()
 
@@ -713,6 +818,10 @@ class Buffer:
             recv_scales = torch.empty(
                 (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
             ).transpose(1, 2)
+            if groups == 1:
+                # Same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps it,
+                # and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.
+                recv_scales = recv_scales.as_strided((num_local_experts, num_slots, 1), (num_slots, 1, 1))
         else:
             recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
             recv_scales = None
@@ -734,6 +843,7 @@ class Buffer:
 
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
+            self._add_wait_cost(dispatch_wait_recv_cost_stats)
             handle.received = True
 
         hook = self._make_hook(finish, return_recv_hook, half)
@@ -741,6 +851,21 @@ class Buffer:
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count, handle, event, hook
+
+    def _check_wait_cost_stats(self, name: str, stats: Optional[torch.Tensor], device: torch.device) -> None:
+        if stats is not None:
+            check_tensor(name, stats, dtypes=torch.int64, shape=(self.group_size,), device=device)
+
+    def _add_wait_cost(self, stats: Optional[torch.Tensor]) -> None:
+        """Accumulate the receive wait per source rank into a ``*_wait_recv_cost_stats`` tensor.
+
+        DeepEP adds the GPU clock cycles (``clock64``) its receive warps spin for each source rank's signal. The
+        reference backend receives through a blocking collective, which exposes no per-peer wait: it adds 0 to every
+        rank (defined, so a caller's monitoring sees "no rank was slow"). The CUDA engine adds the same 0 until its
+        receive kernels report their spin cycles (a gap recorded in docs/deepep_compat.md).
+        """
+        if stats is not None:
+            stats.add_(self._backend.receive_wait_cycles(self.group_size, stats.device))
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` buffer the next ``low_latency_combine`` reads
@@ -760,18 +885,25 @@ class Buffer:
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         handle: LowLatencyHandle,
+        use_logfmt: bool = False,
         zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: Optional[torch.Tensor] = None,
+        combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
     ):
         """Bring expert outputs back and reduce them: ``out[t] = sum_k w[t, k] * y[t, k]`` in fp32, k ascending.
 
         Args:
-            x: ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` expert outputs in the dispatch's layout
-                (with ``zero_copy``: the tensor from ``get_next_low_latency_combine_buffer``).
+            x: ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` expert outputs in the dispatch's layout. With
+                ``zero_copy=True`` (as DeepEP) the data is taken from ``get_next_low_latency_combine_buffer(handle)``,
+                which the caller filled; ``x`` is then not read (only its shape and dtype are checked).
             topk_idx, topk_weights: the dispatch's ``[num_tokens, num_topk]`` ids (int64) and weights (float32).
+            handle: the dispatch's handle (or the 5-tuple view of it).
+            use_logfmt: send the expert outputs in DeepEP's LogFMT-10 format (``ep_dispatcher.logfmt``): each
+                128-channel group below 1 in magnitude is rounded to the format before the sum.
             out: optional ``[num_tokens, hidden] bfloat16`` destination.
+            combine_wait_recv_cost_stats: optional ``[num_ranks] int64``, see ``low_latency_dispatch``.
         Returns:
             ``(combined_x [num_tokens, hidden] bfloat16, event, hook)``.
         """
@@ -779,7 +911,8 @@ class Buffer:
         self._check_handle(handle, LowLatencyHandle)
         num_local_experts = handle.num_experts // self.group_size
         num_slots = self.group_size * handle.num_max_dispatch_tokens_per_rank
-        check_tensor("x", x, dtypes=torch.bfloat16, shape=(num_local_experts, num_slots, handle.hidden))
+        expected_shape = (num_local_experts, num_slots, handle.hidden)
+        check_tensor("x", x, dtypes=torch.bfloat16, shape=expected_shape, contiguous=not zero_copy)
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if not handle.received:
             raise RuntimeError(
@@ -787,12 +920,7 @@ class Buffer:
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
             )
         if zero_copy:
-            expected = self.get_next_low_latency_combine_buffer(handle)
-            if x.data_ptr() != expected.data_ptr():
-                raise ValueError(
-                    "x: with zero_copy=True, x must be the tensor returned by "
-                    "get_next_low_latency_combine_buffer(handle) just before this call"
-                )
+            x = self.get_next_low_latency_combine_buffer(handle)
         shape = (handle.num_tokens, handle.num_topk)
         self._check_topk_idx(
             topk_idx, handle.num_tokens, handle.num_experts, x.device,
@@ -801,14 +929,24 @@ class Buffer:
         if tuple(topk_idx.shape) != shape:
             raise ValueError(f"topk_idx: expected shape {list(shape)} (as dispatched), got {list(topk_idx.shape)}")
         check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=shape, device=x.device)
+        self._check_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, x.device)
         if out is not None:
             check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
         else:
             out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
+        if use_logfmt:
+            # An extra pass over the expert outputs before the combine kernel (in place on the zero-copy buffer,
+            # which is ours); a fused encode in the send kernel would save it.
+            x = self._backend.logfmt_roundtrip(x, inplace=zero_copy)
         self._enter_low_latency_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
         half = self._take_low_latency_half()
         receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
-        hook = self._make_hook(lambda: receive(out), return_recv_hook, half)
+
+        def finish() -> None:
+            receive(out)
+            self._add_wait_cost(combine_wait_recv_cost_stats)
+
+        hook = self._make_hook(finish, return_recv_hook, half)
         self._raise_low_latency_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook
@@ -829,10 +967,10 @@ class Buffer:
 
 
 def _flatten(obj):
+    if isinstance(obj, (DispatchHandle, LowLatencyHandle)):
+        return  # handles are tuples too; their tensors are the backend's, not this call's outputs
     if isinstance(obj, (tuple, list)):
         for item in obj:
             yield from _flatten(item)
-    elif isinstance(obj, DispatchHandle):
-        return
     else:
         yield obj

@@ -76,7 +76,9 @@ def check_topk_idx_range(topk_idx: torch.Tensor, num_experts: int, distinct: boo
         token = int(repeated.any(dim=1).nonzero()[0, 0])
         raise ValueError(
             f"topk_idx: token {token} lists an expert more than once ({topk_idx[token].tolist()}); "
-            "low-latency calls expect distinct experts per token (-1 may repeat)"
+            "low-latency calls expect distinct experts per token (-1 may repeat). Stricter than DeepEP on purpose "
+            "(its kernels would give the expert the token twice and combine would count it twice): mask repeats "
+            "with -1, e.g. as torch.topk's indices never repeat"
         )
 
 
@@ -109,25 +111,37 @@ def low_latency_topk_error(code: int, token: int, k: int, value: int, num_expert
     )
 
 
+SCALE_DTYPES = (torch.float32, torch.int32)  # FP8 scales: float32, or int32 holding four packed UE8M0 exponents
+
+
 def split_fp8(name: str, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``x`` or ``(x_fp8, scales)`` -> ``(data, scales or None)``, checking the FP8 pair's form."""
+    """``x`` or ``(data, scales)`` -> ``(data, scales or None)``, checking the pair's form as DeepEP accepts it.
+
+    ``data``: ``[num_tokens, hidden]`` of any dtype (float8_e4m3fn in practice) with rows of a multiple of 16 bytes.
+    ``scales``: ``[num_tokens, num_scales]`` float32 or int32 (packed UE8M0), any number of columns (per-token
+    ``[N, 1]``, per-128-channel ``[N, H / 128]``, ...) and any strides (column-major is what TMA/DeepGEMM callers
+    pass). Scales travel with their row as opaque bytes.
+    """
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
-            raise ValueError(
-                f"{name}: expected a tensor or a (float8_e4m3fn data, float32 scales) pair, got {len(x)} items"
-            )
+            raise ValueError(f"{name}: expected a tensor or a (data, scales) pair, got {len(x)} items")
         data, scales = x
-        check_tensor(f"{name}[0]", data, dtypes=torch.float8_e4m3fn)
+        check_tensor(f"{name}[0]", data)
         if data.dim() != 2:
             raise ValueError(f"{name}[0]: expected shape [num_tokens, hidden], got {list(data.shape)}")
-        num_tokens, hidden = data.shape
-        if hidden % 128 != 0:
+        check_tensor(f"{name}[1]", scales, dtypes=SCALE_DTYPES, device=data.device, contiguous=False)
+        if scales.dim() != 2 or scales.size(0) != data.size(0) or scales.size(1) < 1:
             raise ValueError(
-                f"{name}[0]: FP8 payloads need hidden % 128 == 0 (one scale per 128 channels), got hidden={hidden}"
+                f"{name}[1]: expected scales of shape [num_tokens={data.size(0)}, num_scales >= 1] (float32 or int32 "
+                f"packed UE8M0), got {list(scales.shape)}"
             )
-        check_tensor(f"{name}[1]", scales, dtypes=torch.float32, shape=(num_tokens, hidden // 128), device=data.device)
         return data, scales
     check_tensor(name, x)
-    if isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn:
-        raise TypeError(f"{name}: an FP8 payload must be passed as a (data, scales) pair, got a bare float8 tensor")
     return x, None
+
+
+def payload_for_backend(data: torch.Tensor, scales: Optional[torch.Tensor]):
+    """The form every backend's kernels take: row-major contiguous scales (a column-major scales tensor, as DeepEP's
+    tests and TMA callers pass, is copied once here; it is ``num_tokens * num_scales * 4`` bytes). ``data`` is
+    already contiguous (checked, as DeepEP does)."""
+    return data, None if scales is None else scales.contiguous()

@@ -7,6 +7,12 @@ losses per step and the largest difference.
 
 Expert parallelism spans all ranks (EP = --ranks, TP = 1); the dense weights are data-parallel over the same ranks.
 Exits with status 1 if the two runs differ by more than --tolerance.
+
+    python examples/megatron_pretrain_moe.py --flex-switch      # issue 20: Megatron's own flex dispatcher on DeepEP
+
+With --flex-switch the second run is instead Megatron-core's own flex dispatcher (moe_token_dispatcher_type="flex",
+moe_flex_dispatcher_backend="deepep", its fused_a2a.py calling `deep_ep`) on ep_dispatcher through
+ep_dispatcher.install_as_deep_ep() alone (our plugin uninstalled for that run), compared with our plugin's path.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from ep_dispatcher.launch import spawn
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # fp32: summation order only; bf16: rounding of the 2-way sums
 
 
+FLEX_SWITCH = "flex"  # Megatron's own flex dispatcher through install_as_deep_ep()
+
+
 def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -42,6 +51,7 @@ def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
         moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.hidden,
         moe_token_dispatcher_type=dispatcher_type,
+        **({"moe_flex_dispatcher_backend": "deepep"} if dispatcher_type == FLEX_SWITCH else {}),
         expert_model_parallel_size=args.ranks,
         moe_aux_loss_coeff=1e-2,
         moe_router_dtype="fp32",
@@ -127,6 +137,31 @@ def train(args, dispatcher_type: str, rank: int, device: torch.device, step_time
 DISPATCHERS = ("deepep", "allgather")
 
 
+def second_label(args) -> str:
+    """What the run compared with "deepep" is (its results keep the key "allgather")."""
+    return "flex(switch)" if args.flex_switch else "allgather"
+
+
+def train_second(args, rank: int, device: torch.device, step_times: list | None = None) -> list[float]:
+    """The run compared with "deepep": Megatron's "allgather" dispatcher, or with --flex-switch Megatron's own
+    flex/deepep dispatcher on ep_dispatcher through install_as_deep_ep() alone (our plugin uninstalled for it)."""
+    if not args.flex_switch:
+        return train(args, "allgather", rank, device, step_times)
+    from megatron.core.transformer.moe import fused_a2a
+
+    import ep_dispatcher
+    from ep_dispatcher import megatron as plugin
+
+    assert fused_a2a.HAVE_DEEP_EP, "install_as_deep_ep() must run before megatron-core imports fused_a2a"
+    plugin.uninstall()
+    try:
+        losses = train(args, FLEX_SWITCH, rank, device, step_times)
+    finally:
+        plugin.install()
+    assert isinstance(fused_a2a._buffer, ep_dispatcher.Buffer)  # Megatron's get_buffer made one of ours
+    return losses
+
+
 def setup_parallel(world: int, args, device: torch.device) -> None:
     """Register "deepep", make Megatron run on ``device`` (CPU patches when it is the CPU), EP = world, TP = 1."""
     from megatron.core import parallel_state
@@ -149,13 +184,17 @@ def train_both(rank: int, world: int, args, device: torch.device) -> dict:
     from megatron.core import parallel_state
 
     setup_parallel(world, args, device)
-    results = {name: train(args, name, rank, device) for name in DISPATCHERS}
+    results = {"deepep": train(args, "deepep", rank, device), "allgather": train_second(args, rank, device)}
     parallel_state.destroy_model_parallel()
     return results
 
 
 def _worker(rank: int, world: int, args) -> dict:
     warnings.filterwarnings("ignore")
+    if args.flex_switch:
+        import ep_dispatcher
+
+        ep_dispatcher.install_as_deep_ep()  # before megatron-core imports deep_ep
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     return train_both(rank, world, args, device)
@@ -177,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--tolerance", type=float, default=None, help="max |loss difference| accepted")
+    parser.add_argument(
+        "--flex-switch",
+        action="store_true",
+        help="compare with Megatron's own flex/deepep dispatcher on ep_dispatcher via install_as_deep_ep()",
+    )
     parser.add_argument(
         "--backend",
         choices=("auto", "gloo", "nccl"),
@@ -215,7 +259,8 @@ def main(argv=None) -> int:
         f"GPT-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk}, "
         f"EP={args.ranks} ({backend}), {args.dtype}"
     )
-    print(f"{'step':>4}  {'loss deepep':>14}  {'loss allgather':>14}  {'|diff|':>10}")
+    other = second_label(args)
+    print(f"{'step':>4}  {'loss deepep':>14}  {'loss ' + other:>14}  {'|diff|':>10}")
     for step, (a, b) in enumerate(zip(deepep, allgather)):
         print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.3e}")
     max_diff = max(abs(a - b) for a, b in zip(deepep, allgather))

@@ -51,3 +51,18 @@ def test_example_trains_and_matches_allgather():
     for _, deepep, allgather, _ in rows:
         assert abs(float(deepep) - float(allgather)) <= 1e-5  # fp32; the example's own tolerance
     assert "OK" in done.stdout
+
+
+@pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
+def test_example_flex_switch_matches_the_plugin():
+    """Issue 20: Megatron's own flex dispatcher on ep_dispatcher through install_as_deep_ep() alone trains like our
+    plugin's path (same losses, fp32)."""
+    command = [sys.executable, EXAMPLE, "--ranks", "2", "--steps", "3", "--layers", "1", "--hidden", "32",
+               "--experts", "4", "--seq", "16", "--vocab", "64", "--backend", "gloo", "--flex-switch"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", done.stdout, flags=re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [0, 1, 2] and "flex(switch)" in done.stdout, done.stdout
+    for _, ours, flex, _ in rows:
+        assert abs(float(ours) - float(flex)) <= 1e-5

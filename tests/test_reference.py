@@ -75,8 +75,9 @@ def _check_normal(case: rc.Case, me: int) -> None:
 
     # Cached dispatch of other data reproduces the layout.
     x2 = (x.float() * 2 + 1).to(torch.bfloat16)
-    recv2, none_topk, none_w, none_list, same_handle, _ = buf.dispatch(x2, handle=handle)
-    assert none_topk is None and none_w is None and none_list is None and same_handle is handle
+    recv2, none_topk, none_w, none_list, none_handle, _ = buf.dispatch(x2, handle=handle)
+    # DeepEP v1.2.1 returns handle=None from a cached dispatch (issue 20); the caller keeps the one it passed.
+    assert none_topk is None and none_w is None and none_list is None and none_handle is None
     assert torch.equal(recv2, (exp_x.float() * 2 + 1).to(torch.bfloat16))
 
     # FP8 tuple: data and scales travel together.

@@ -178,6 +178,7 @@ class CudaBackend(ReferenceBackend):
                 expert_alignment,
                 num_worst_tokens,
                 buffer_id,
+                num_tokens_per_expert=num_tokens_per_expert,
             )
         # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
         # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
@@ -459,6 +460,14 @@ class CudaBackend(ReferenceBackend):
             )
 
         return receive
+
+    def logfmt_roundtrip(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """LogFMT-10 round trip by the kernel (csrc/kernels/logfmt.cu, bit-exact with the reference). Buffer runs it
+        as an extra pass before the combine kernel (use_logfmt=True); fusing the encode into combine_send would save
+        that pass and shrink the messages to 10 bits per channel."""
+        if not x.is_cuda or not x.is_contiguous():
+            return super().logfmt_roundtrip(x, inplace)
+        return _C.logfmt_roundtrip(x, inplace)
 
     def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
         if self.ll is None or device.type != "cuda":

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..fp8 import per_token_cast_to_fp8
+from ..logfmt import logfmt_roundtrip
 from ..handles import DispatchHandle, LowLatencyHandle
 
 
@@ -102,7 +103,7 @@ class ReferenceBackend:
         return recv.view(sum(recv_counts), row_bytes).to(device)
 
     def _all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """``counts [num_ranks] int64`` of every rank -> ``[num_ranks, num_ranks]`` int64 (row = source rank)."""
+        """``counts [n]`` of every rank -> ``[num_ranks, n]`` int64 (row = source rank)."""
         local = counts.to(torch.int64).to(self._comm_device(counts.device))
         gathered = [torch.empty_like(local) for _ in range(self.num_ranks)]
         dist.all_gather(gathered, local, group=self.group)
@@ -202,6 +203,15 @@ class ReferenceBackend:
             aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
             per_expert = aligned.to(torch.int32)
             per_expert_list = per_expert.tolist() if num_worst_tokens == 0 else []
+        elif num_tokens_per_expert is not None:
+            # No top-k (DeepEP allows it): the receive list is the sum of every source rank's counts for this
+            # rank's experts, each rounded up to expert_alignment.
+            num_local_experts = num_experts // self.num_ranks
+            counts = self._all_gather_counts(num_tokens_per_expert)[:, self.rank * num_local_experts :]
+            counts = counts[:, :num_local_experts].sum(0)
+            aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+            per_expert = aligned.to(torch.int32).to(device)
+            per_expert_list = aligned.tolist() if num_worst_tokens == 0 else []
 
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
@@ -477,6 +487,16 @@ class ReferenceBackend:
             out.copy_(acc.to(out.dtype))
 
         return receive
+
+    def logfmt_roundtrip(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """``x`` encoded to LogFMT-10 and decoded (``ep_dispatcher.logfmt``); written back into ``x`` if ``inplace``."""
+        y = logfmt_roundtrip(x)
+        return x.copy_(y) if inplace else y
+
+    def receive_wait_cycles(self, num_ranks: int, device: torch.device) -> torch.Tensor:
+        """What a receive phase adds to ``*_wait_recv_cost_stats``: ``[num_ranks] int64`` zeros (a collective
+        exposes no per-peer wait; see ``Buffer._add_wait_cost``)."""
+        return torch.zeros(num_ranks, dtype=torch.int64, device=device)
 
     def low_latency_combine_buffer(self, half: int, shape: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
         """The zero-copy combine input of buffer half ``half`` (persistent across calls)."""

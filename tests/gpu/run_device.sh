@@ -2,7 +2,9 @@
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
 # Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
-#   (default: all, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench, each also a phase.
+#   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
+#   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
+#   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin.
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
@@ -59,6 +61,11 @@ megatron_bench() {
     bench 120 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
         --experts 16 --topk 4 --seq 1024 --tokens 4096 --dtype bf16 --steps 10 --warmup 3 --out "$OUT/bench_megatron.json"
 }
+megatron_flex() {  # issue 20: Megatron's own flex dispatcher on ep_dispatcher via the deep_ep switch (2 ranks)
+    bench 180 benchmarks/bench_megatron_step.py --device cuda --ranks 2 --layers 2 --hidden 1024 --heads 8 \
+        --experts 16 --topk 4 --seq 1024 --tokens 2048 --dtype bf16 --steps 5 --warmup 2 --flex-switch \
+        --out "$OUT/bench_megatron_flex.json"
+}
 internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then as 4 nodes x 2
     for p in ${EP_INTERNODE_PER_NODE:-4 2}; do
         bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node "$p" --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
@@ -82,10 +89,15 @@ for phase in $PHASES; do
             tests/gpu/test_dbo_gpu.py tests/test_extension_import.py
         ;;
     ll)
-        gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py
+        gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py tests/gpu/test_logfmt_gpu.py
+        ;;
+    deepep_tests)
+        # DeepEP's own test_intranode.py (4 ranks) and test_low_latency.py (8 ranks, also --use-logfmt), unchanged
+        # but for the harness; each script starts and stops MPS per test. Logs: $OUT/deepep_*.log.
+        bash tests/gpu/deepep_tests/run_deepep_tests.sh || rc=1
         ;;
     bench) for sub in ll_bench intranode_bench dbo_bench megatron_bench; do "$sub"; done ;;
-    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench) "$phase" ;;
+    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench|megatron_flex) "$phase" ;;
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
         gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
