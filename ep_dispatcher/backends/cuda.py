@@ -1,10 +1,11 @@
 """CUDA backend: the ``ep_dispatcher._C`` engine.
 
-Intranode dispatch/combine run as kernels over CUDA-IPC buffers (csrc/kernels/intranode.cuh explains the
-design: every token is written once, straight to its final row in the receiver's buffer). Low-latency
-dispatch/combine run as kernels over an NVSHMEM symmetric buffer (csrc/kernels/low_latency.cuh). Calls the engine
-does not cover yet (internode, fp16/fp64 combine, CPU tensors) are served by the reference implementation on the
-same tensors, so a ``Buffer`` always works; ``engine_calls()`` says which calls are kernels.
+Intranode dispatch/combine run as kernels over CUDA-IPC buffers (csrc/kernels/intranode.cuh explains the design:
+every token is written once, straight into the receiver's output tensors, which own regions of its receive pool).
+Internode dispatch/combine run over NVSHMEM with NVLink forwarding (csrc/kernels/internode.cuh), low-latency
+dispatch/combine over an NVSHMEM symmetric buffer (csrc/kernels/low_latency.cuh). What the engine does not cover
+(fp16/fp64 combine, CPU tensors) is served by the reference implementation on the same tensors, so a ``Buffer``
+always works; ``engine_calls()`` says which calls are kernels.
 """
 
 from __future__ import annotations
