@@ -32,6 +32,13 @@ void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) 
 
 using DispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTensor, at::Tensor>;
 
+// Published offsets with every field marked "not written by this call" (-1); a call fills in the fields it uses.
+intranode::Published nothing_published() {
+    intranode::Published publish{};
+    for (int64_t& v : publish.value) v = -1;
+    return publish;
+}
+
 // Offset of a pool tensor's region; an empty tensor has none (and nobody writes to it).
 int64_t offset_in_pool(const IpcBuffer& buffer, const at::Tensor& t) { return t.numel() == 0 ? 0 : buffer.pool().offset_of(t); }
 
@@ -77,8 +84,7 @@ DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor
     }
     const int64_t src_offset = fresh ? pool.transient(rows_out * static_cast<int64_t>(sizeof(int)), stream) : -1;
 
-    intranode::Published publish{};
-    for (int64_t& v : publish.value) v = -1;
+    intranode::Published publish = nothing_published();
     publish.value[intranode::kPubRecvX] = offset_in_pool(buffer, recv_x);
     if (recv_scales) publish.value[intranode::kPubRecvScales] = offset_in_pool(buffer, *recv_scales);
     if (recv_topk) {
@@ -267,8 +273,7 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream);
     const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
     const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
-    intranode::Published publish{};
-    for (int64_t& v : publish.value) v = -1;
+    intranode::Published publish = nothing_published();
     publish.value[intranode::kPubCombineX] = x_offset;
     publish.value[intranode::kPubCombineWeights] = weights_offset;
     publish.value[intranode::kPubCombineRows] = sent_rows;
