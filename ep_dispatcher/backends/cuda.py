@@ -184,20 +184,25 @@ class CudaBackend(ReferenceBackend):
         # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
         # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
         # A call whose rows do not fit in some rank's empty pool returns the size it needs, on every rank alike
-        # (same counts): the pools grow together and the call runs again (once; the grown pool holds it).
-        for _ in range(2):
-            (
-                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-                send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
-                sent_rows, most_sent, pool_bytes_needed,
-            ) = _C.intranode_dispatch_fresh(
+        # (same counts): the pools grow together and the call runs again (once: the grown pool holds it).
+        def run():
+            return _C.intranode_dispatch_fresh(
                 self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                 num_tokens_per_expert, num_experts or 0, expert_alignment, num_worst_tokens, self._num_sms(config),
                 self.timeout_ns,
             )
-            if pool_bytes_needed == 0:
-                break
-            self._grow_receive_pool(pool_bytes_needed)
+
+        outputs = run()
+        if outputs[-1] > 0:
+            self._grow_receive_pool(outputs[-1])
+            outputs = run()
+        if outputs[-1] > 0:  # never expected: the outputs of a call that did not run must not be returned
+            raise RuntimeError(f"intranode dispatch: {outputs[-1]} receive-pool bytes needed after growing the pool")
+        (
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
+            send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
+            sent_rows, most_sent, _,
+        ) = outputs
         handle = self._engine_handle(
             buffer_id, count_matrix, recv_src_idx, is_token_in_rank, rows_out, per_expert, num_worst_tokens,
             expert_alignment, rank_prefix_matrix=rank_prefix_matrix, count_matrix_host=count_matrix_host,
