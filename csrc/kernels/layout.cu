@@ -151,16 +151,11 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
     const int num_nodes = num_tokens_per_rdma_rank != nullptr ? num_ranks / num_ranks_per_node : 0;
 
     // Blocks accumulate into the counters with atomics, so they start from zero; memset nodes are graph-capturable.
-    // Counters laid out back to back ([ranks | experts | nodes], as the binding allocates them) take one memset.
-    const bool consecutive = num_tokens_per_expert == num_tokens_per_rank + num_ranks &&
-                             (num_nodes == 0 || num_tokens_per_rdma_rank == num_tokens_per_expert + num_experts);
-    if (consecutive) {
-        EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * (int64_t{num_ranks} + num_experts + num_nodes), stream));
-    } else {
-        EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_ranks, stream));
-        EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream));
-        if (num_nodes > 0) EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
-    }
+    // The counters lie back to back ([ranks | experts | nodes], see layout.cuh), so one memset zeroes them all.
+    EP_HOST_ASSERT(num_tokens_per_expert == num_tokens_per_rank + num_ranks &&
+                       (num_nodes == 0 || num_tokens_per_rdma_rank == num_tokens_per_expert + num_experts),
+                   "the counters must be one array: [num_tokens_per_rank | num_tokens_per_expert | num_tokens_per_rdma_rank]");
+    EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * (int64_t{num_ranks} + num_experts + num_nodes), stream));
     if (num_tokens == 0) return;  // is_token_in_rank is empty
 
     const int tokens_per_block_for_grid = ceil_div(num_tokens, num_sms * kMaxBlocksPerSm);

@@ -17,6 +17,8 @@ namespace ep::layout {
 // topk_idx is [num_tokens, num_topk] row-major int64; entries outside [0, num_experts) (the -1 "no expert"
 // marker, and out-of-range ids, which the host cannot see without a sync) are ignored.
 // Expert e lives on rank e / (num_experts / num_ranks); rank r is on node r / num_ranks_per_node.
+// The three counter arrays are one allocation, back to back: [num_tokens_per_rank | num_tokens_per_expert |
+// num_tokens_per_rdma_rank] (one zero-fill for all of them).
 // Every element of every output is written (counters are zero-filled on the stream first), so outputs may
 // come straight from a caching allocator. Integer atomics make the results deterministic.
 // Preconditions (checked by the caller): num_tokens * max(num_topk, num_ranks) fits in int32,
