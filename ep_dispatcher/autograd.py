@@ -33,6 +33,7 @@ class _Dispatch(torch.autograd.Function):
         num_worst_tokens: int,
         config: Optional[Config],
         combine_config: Optional[Config],
+        expert_major: bool,
     ):
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
@@ -46,6 +47,7 @@ class _Dispatch(torch.autograd.Function):
             expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens,
             config=config,
+            expert_major=expert_major,
         )
         ctx.buffer, ctx.handle, ctx.combine_config = buffer, handle, combine_config
         ctx.recv_x_meta = (recv_x.shape, recv_x.dtype, recv_x.device)
@@ -68,7 +70,7 @@ class _Dispatch(torch.autograd.Function):
         grad_x, grad_topk_weights, _ = ctx.buffer.combine(
             grad_recv_x.contiguous(), handle, topk_weights=grad_recv_topk_weights, config=ctx.combine_config
         )
-        return None, grad_x, None, grad_topk_weights, None, None, None, None, None
+        return None, grad_x, None, grad_topk_weights, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -110,18 +112,32 @@ def dispatch(
     num_worst_tokens: int = 0,
     config: Optional[Config] = None,
     combine_config: Optional[Config] = None,
+    expert_major: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int], DispatchHandle]:
     """Differentiable ``Buffer.dispatch`` (layout computed inside).
 
     Args:
         x: ``[num_tokens, hidden]`` floating point; topk_idx ``[num_tokens, num_topk] int64``;
             topk_weights ``[num_tokens, num_topk] float32``.
+        expert_major: fused permute (``Buffer.dispatch(..., expert_major=True)``): ``recv_x`` is expert-major
+            ``[M, hidden]`` with ``expert_alignment`` padding rows, ``handle.expert_major`` its layout; pass the
+            expert outputs to :func:`combine` in that layout. The backward is the fused un-permute + combine, and
+            :func:`combine`'s backward a cached dispatch straight into expert-major rows.
     Returns:
         ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``; gradients flow to
         ``x`` and ``topk_weights``.
     """
     return _Dispatch.apply(
-        buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config, combine_config
+        buffer,
+        x,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        combine_config,
+        expert_major,
     )
 
 
@@ -134,6 +150,9 @@ def combine(
     dispatch_config: Optional[Config] = None,
 ) -> torch.Tensor:
     """Differentiable ``Buffer.combine`` (unweighted sum back to the source tokens, plus optional ``bias``).
+
+    ``x`` is ``[num_recv_rows, hidden]``, or expert-major ``[handle.expert_major.num_rows, hidden]`` when the handle
+    comes from an ``expert_major=True`` dispatch (its backward then returns expert-major gradients).
 
     Returns ``combined_x [num_tokens, hidden]``; gradients flow to ``x`` and ``bias``.
     """

@@ -447,6 +447,7 @@ class Buffer:
         previous_event: Optional[EventOverlap] = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
+        expert_major: bool = False,
     ):
         """Send each token to every rank holding one of its experts.
 
@@ -464,6 +465,17 @@ class Buffer:
             expert_alignment: each entry of the per-expert count list is rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have exactly that many rows and nothing waits on the host (CUDA-graph
                 capturable); padding rows have ``recv_topk_idx == -1`` and the count list is empty.
+            expert_major: fused permute (an addition over DeepEP; needs ``topk_idx``, not with ``num_worst_tokens``):
+                ``recv_x`` is expert-major ``[M, hidden]`` (``M = sum(num_recv_tokens_per_expert_list)``): local
+                expert ``e`` owns the ``list[e]`` rows after those of experts ``< e``; in them, each received token that
+                picked ``e``, in received order, then zero rows up to ``expert_alignment``. ``recv_topk_idx`` /
+                ``recv_topk_weights`` stay in received order ``[num_recv_tokens, num_topk]``; ``handle.expert_major``
+                maps both ways (``row_map``: row of each (token, slot); ``row_pair``: (token * num_topk + slot) of each
+                row, ``-1`` for padding). ``combine(y, handle)`` then takes an expert-major ``y [M, hidden]``, and a
+                cached dispatch with this handle returns expert-major rows. Bit-identical to dispatching normally,
+                permuting with ``ep_dispatcher.expert_major.permute_rows`` and un-permuting with ``unpermute_sum``
+                before combine (``docs/fused_permute.md``). In cached mode (``handle`` given) the output layout is the
+                handle's; ``expert_major=True`` with a received-order handle is an error.
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` in the form of ``x``, rows grouped by source rank ascending, source order kept;
@@ -478,8 +490,15 @@ class Buffer:
         device = data.device
         wrap = (lambda d, s: (d, s)) if scales is not None else (lambda d, s: d)
 
+        if not isinstance(expert_major, bool):
+            raise TypeError(f"expert_major: expected a bool, got {type(expert_major).__name__}")
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
+            if expert_major and handle.expert_major is None:
+                raise ValueError(
+                    "expert_major: the handle comes from a received-order dispatch; a cached dispatch returns the "
+                    "handle's layout, so pass expert_major=False or a handle from dispatch(..., expert_major=True)"
+                )
             # As DeepEP: the layout arguments are ignored in cached mode (the handle holds the layout); top-k
             # arguments cannot be cached (DeepEP asserts they are None).
             for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
@@ -496,7 +515,9 @@ class Buffer:
                 async_finish,
                 allocate_on_comm_stream,
                 [data, scales],
-                lambda: self._backend.cached_dispatch(data, scales, handle, config=config),
+                (lambda: self._backend.cached_dispatch_expert_major(data, scales, handle, config=config))
+                if handle.expert_major is not None
+                else (lambda: self._backend.cached_dispatch(data, scales, handle, config=config)),
             )
             return wrap(recv, recv_scales), None, None, None, None, event
 
@@ -535,14 +556,31 @@ class Buffer:
         if topk_idx is not None:
             self._check_topk_idx(topk_idx, num_tokens, num_experts, device, call="dispatch")
             check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=tuple(topk_idx.shape), device=device)
-
-        result, event = self._run(
-            device,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
-            [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
-            lambda: self._backend.dispatch(
+        if expert_major:
+            if topk_idx is None:
+                raise ValueError(
+                    "expert_major: needs topk_idx and topk_weights (the rows are placed by expert), got None"
+                )
+            if num_worst_tokens > 0:
+                raise ValueError(
+                    f"expert_major: not available with num_worst_tokens={num_worst_tokens} (the expert-major row count "
+                    "comes from the host count list); pass num_worst_tokens=0"
+                )
+            call = lambda: self._backend.dispatch_expert_major(  # noqa: E731
+                data,
+                scales,
+                is_token_in_rank,
+                num_tokens_per_rank,
+                topk_idx,
+                topk_weights,
+                num_experts,
+                expert_alignment,
+                self.buffer_id,
+                config=config,
+                num_tokens_per_expert=num_tokens_per_expert,
+            )
+        else:
+            call = lambda: self._backend.dispatch(  # noqa: E731
                 data,
                 scales,
                 is_token_in_rank,
@@ -555,7 +593,15 @@ class Buffer:
                 self.buffer_id,
                 config=config,
                 num_tokens_per_expert=num_tokens_per_expert,
-            ),
+            )
+
+        result, event = self._run(
+            device,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
+            call,
         )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
         new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
@@ -596,10 +642,13 @@ class Buffer:
         """Send each received row back to its source rank, which sums them (unweighted).
 
         Args:
-            x: ``[handle.num_recv_rows, hidden]`` (the dispatch's ``recv_x`` rows, expert outputs already weighted).
+            x: ``[handle.num_recv_rows, hidden]`` (the dispatch's ``recv_x`` rows, expert outputs already weighted);
+                with a handle of ``dispatch(..., expert_major=True)``, expert-major ``[handle.expert_major.num_rows,
+                hidden]``: each received token's rows are first summed in row (= local expert) order, fp32, one
+                rounding to ``x.dtype`` (padding rows are not read), then combined as below (fused un-permute).
             handle: from the dispatch.
-            topk_weights: optional ``[num_recv_rows, num_topk] float32``, summed back too (rebuilds the original
-                weights; dispatch's backward).
+            topk_weights: optional ``[num_recv_rows, num_topk] float32`` (received order in both layouts), summed
+                back too (rebuilds the original weights; dispatch's backward).
             bias: optional ``[num_tokens, hidden]`` tensor or pair of them, added to the sum.
         Returns:
             ``(combined_x [num_tokens, hidden] x.dtype, combined_topk_weights [num_tokens, num_topk] float32 or None,
@@ -612,7 +661,10 @@ class Buffer:
         """
         self._check_handle(handle, DispatchHandle)
         rows = handle.num_recv_rows
-        check_tensor("x", x, dtypes=self._backend.float_dtypes, shape=(rows, None))
+        layout = handle.expert_major
+        check_tensor(
+            "x", x, dtypes=self._backend.float_dtypes, shape=(rows if layout is None else layout.num_rows, None)
+        )
         if x.size(1) * x.element_size() % 16 != 0:
             raise ValueError(f"x: rows must be a multiple of 16 bytes, got hidden={x.size(1)} with {x.dtype}")
         config = self._check_config(config, Buffer.get_combine_config)
@@ -638,7 +690,9 @@ class Buffer:
             async_finish,
             allocate_on_comm_stream,
             [x, topk_weights, *biases],
-            lambda: self._backend.combine(x, handle, topk_weights, biases, config=config),
+            (lambda: self._backend.combine(x, handle, topk_weights, biases, config=config))
+            if layout is None
+            else (lambda: self._backend.combine_expert_major(x, handle, topk_weights, biases, config=config)),
         )
         return combined, combined_w, event
 

@@ -132,6 +132,9 @@ class DispatchHandle(_TupleHandle):
             ``expert_alignment`` (``None`` when dispatched without ``num_tokens_per_expert``); read it instead of the
             host list to avoid a host sync.
         rank, num_ranks_per_node: set by the ``Buffer`` (``rank = -1`` until then).
+        expert_major: ``None``, or the ``ExpertMajorLayout`` of a ``dispatch(..., expert_major=True)`` (fused
+            permute): its ``recv_x`` was expert-major ``[M, hidden]``, so is a cached dispatch's output with this
+            handle, and ``combine`` takes an expert-major ``[M, hidden]`` input (see ``ep_dispatcher/expert_major.py``).
 
     As a tuple, within one node (DeepEP's intranode handle, 6 items):
         0 ``rank_prefix_matrix`` (real);
@@ -209,6 +212,7 @@ class DispatchHandle(_TupleHandle):
         self.backend_state = backend_state
         self.rank = rank
         self.num_ranks_per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
+        self.expert_major = None  # an ExpertMajorLayout after dispatch(..., expert_major=True)
 
     @property
     def deepep_names(self) -> Tuple[str, ...]:  # type: ignore[override]

@@ -12,6 +12,10 @@ NCCL on GPUs; CUDA tensors on a gloo group are staged through host memory), and 
   node's ranks ``r`` ascending, rounded to the output dtype (the internode engine sends ``p_n`` over the RDMA leg in
   that dtype); then ``acc = 0 + bias_0 + bias_1``, ``acc += float(p_n)`` over those nodes ascending, in fp32, one
   rounding at the end. Combined top-k weights: ``0 + sum_n (0 + sum_{r in n} w_r)`` in fp32, same orders;
+* expert-major dispatch (fused permute, ``ep_dispatcher/expert_major.py``): the normal dispatch, then each
+  (received token, local expert) pair copied to its expert-major row (experts ascending, each padded to
+  ``expert_alignment`` with zero rows, received order inside an expert); its combine first sums each token's rows in
+  row order (fp32, one rounding to the input dtype), then combines as above;
 * low-latency slots: per local expert, source rank ascending, token index ascending inside a rank;
 * low-latency combine: ``acc = 0``; for ``k`` ascending over valid top-k entries ``acc = fl(acc + fl(w_k * y_k))``
   in fp32, then one rounding to BF16.
@@ -28,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..expert_major import expert_major_layout, permute_rows, unpermute_sum
 from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
 from ..handles import DispatchHandle, LowLatencyHandle
@@ -347,6 +352,62 @@ class ReferenceBackend:
             if combined_w is not None:
                 combined_w[present] = combined_w[present] + partial_w[present]
         return combined.to(x.dtype), combined_w
+
+    # ------------------------------------------------------------------ expert-major dispatch / combine (fused permute)
+    # The specification is the composition below (normal call + ``expert_major`` permute / un-permute); an engine with
+    # a fused kernel overrides these three methods and must match them bit for bit.
+    def dispatch_expert_major(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_rank: Optional[torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        expert_alignment: int,
+        buffer_id: int,
+        config=None,
+        num_tokens_per_expert=None,
+    ):
+        """Dispatch whose ``recv_x`` (and scales) are expert-major ``[M, ...]``; ``handle.expert_major`` holds the
+        layout. Returns what ``dispatch`` returns (top-k outputs stay in received order)."""
+        recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle = self.dispatch(
+            x,
+            x_scales,
+            is_token_in_rank,
+            num_tokens_per_rank,
+            topk_idx,
+            topk_weights,
+            num_experts,
+            expert_alignment,
+            0,
+            buffer_id,
+            config=config,
+            num_tokens_per_expert=num_tokens_per_expert,
+        )
+        layout = expert_major_layout(
+            recv_topk_idx, num_experts // self.num_ranks, expert_alignment, sum(per_expert_list)
+        )
+        handle.expert_major = layout
+        return (
+            permute_rows(recv, layout),
+            permute_rows(recv_scales, layout),
+            recv_topk_idx,
+            recv_topk_weights,
+            per_expert_list,
+            handle,
+        )
+
+    def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
+        """Cached dispatch into the handle's expert-major layout: ``(recv_x [M, ...], recv_x_scales | None)``."""
+        recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
+        return permute_rows(recv, handle.expert_major), permute_rows(recv_scales, handle.expert_major)
+
+    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        """Combine of an expert-major ``x [M, H]``: per received token, its rows summed in row order (fp32, one
+        rounding to ``x.dtype``), then ``combine``. Returns ``(combined_x, combined_topk_weights)``."""
+        return self.combine(unpermute_sum(x, handle.expert_major), handle, topk_weights, bias, config=config)
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
     def low_latency_dispatch(
