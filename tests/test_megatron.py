@@ -395,10 +395,13 @@ def _build_gpt(dispatcher_type: str, ep: int, overlap: bool):
         return GPTModel(config, spec, vocab_size=64, max_sequence_length=16).bfloat16()
 
 
-def _overlap_worker(rank: int, world: int) -> float:
+def _overlap_worker(rank: int, world: int, fused_permute: bool = True) -> float:
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
     from megatron.core.pipeline_parallel.utils import set_streams
 
+    from ep_dispatcher.megatron import EPDispatcherTokenDispatcher
+
+    EPDispatcherTokenDispatcher.fused_permute = fused_permute  # this process only (a spawned rank)
     _setup_rank(1, world)
     _single_stream_cuda_api()
     set_streams()
@@ -441,5 +444,53 @@ def _overlap_worker(rank: int, world: int) -> float:
 
 
 @requires_megatron
-def test_ep_overlap_combined_1f1b_matches_plain_schedule():
-    run(_overlap_worker, 2)
+@pytest.mark.parametrize("fused_permute", [True, False], ids=["fused_permute", "unfused_permute"])
+def test_ep_overlap_combined_1f1b_matches_plain_schedule(fused_permute):
+    run(_overlap_worker, 2, fused_permute)
+
+
+# ---------------------------------------------------------------------------------------------- fused permute
+FUSED_CASES = {
+    "bf16_top4": {"moe_router_topk": 4, "bf16": True, "params_dtype": torch.bfloat16},
+    "fp32_dropping": {"moe_router_score_function": "sigmoid", "moe_expert_capacity_factor": 0.5},
+    "shared_expert": {"moe_shared_expert_intermediate_size": 24},
+}
+
+
+def _fused_permute_worker(rank: int, world: int, tp: int, cases: list) -> None:
+    """The plugin with the fused permute (dispatch into expert-major rows, combine from them) against the same
+    plugin with separate permute / un-permute passes: outputs and every gradient bit-identical."""
+    from ep_dispatcher.megatron import EPDispatcherTokenDispatcher
+
+    _setup_rank(tp, world // tp)
+    for seed, case in enumerate(cases):
+        results = {}
+        for fused in (True, False):
+            EPDispatcherTokenDispatcher.fused_permute = fused
+            try:
+                layer = _build_moe_layer("deepep", tp, world // tp, seed, **FUSED_CASES[case])
+                if case == "bf16_top4":
+                    layer = layer.bfloat16()
+                g = torch.Generator().manual_seed(seed * 1000 + rank)
+                x = torch.randn((6, 2, HIDDEN), generator=g).to(layer.router.weight.dtype).requires_grad_()
+                out, _ = layer(x)
+                out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+                results[fused] = (out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
+            finally:
+                EPDispatcherTokenDispatcher.fused_permute = True
+        (out_f, dx_f, grads_f), (out_u, dx_u, grads_u) = results[True], results[False]
+        assert torch.equal(out_f, out_u), case
+        assert torch.equal(dx_f, dx_u), case
+        assert grads_f.keys() == grads_u.keys()
+        for name in grads_f:
+            assert grads_f[name] is not None and torch.equal(grads_f[name], grads_u[name]), (case, name)
+
+
+@requires_megatron
+@pytest.mark.parametrize(
+    "world, tp, cases",
+    [(2, 1, ["bf16_top4", "fp32_dropping", "shared_expert"]), (4, 1, ["bf16_top4"]), (4, 2, ["bf16_top4"])],
+    ids=["ep2", "ep4", "tp2xep2"],
+)
+def test_fused_permute_matches_unfused(world, tp, cases):
+    run(_fused_permute_worker, world, tp, cases)

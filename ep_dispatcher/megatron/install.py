@@ -13,8 +13,10 @@ names. ``install()`` wraps those three places; nothing else in Megatron is modif
   ``EPDispatcherTokenDispatcher`` (shared experts re-attached when overlapped). The flex path never constructs
   Megatron's ``_DeepepManager``, so DeepEP need not be installed.
 * ``should_free_input`` (EP-overlap schedule): ``"deepep"`` gets the flex/deepep policy: the dispatch node keeps
-  its input (it aliases the router's input, which the router's backward needs); the expert and combine nodes free
-  theirs (the permutation copies, and dispatch/combine backward do not read their inputs).
+  its input (it aliases the router's input, which the router's backward needs); the combine node frees its input
+  (combine's backward does not read it). The expert node frees its input only without the fused permute (then it
+  is the received rows, which the permutation copied); with it (the default) the input is the experts' own input and
+  is kept, as Megatron does for HybridEP. This applies to flex/deepep configs routed to us too.
 
 Tested with megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (CPU, gloo: tests/test_megatron.py and
 tests/test_megatron_example.py, all of them run in .ci/run). What differs between them (where ``should_free_input``
@@ -142,7 +144,17 @@ def _wrap_moe_layer_init(original):
 
 def _wrap_should_free_input(original):
     def should_free_input(name, is_moe, config, *args, **kwargs):
-        if getattr(config, "moe_token_dispatcher_type", None) != TYPE_NAME:
+        ours = getattr(config, "moe_token_dispatcher_type", None) == TYPE_NAME
+        if not uses_ep_dispatcher(config):
+            return original(name, is_moe, config, *args, **kwargs)
+        from .token_dispatcher import EPDispatcherTokenDispatcher
+
+        if name == "mlp" and is_moe and EPDispatcherTokenDispatcher.fused_permute:
+            # Fused permute: the expert node's input IS the experts' input (received expert-major, no permutation
+            # copy in between), which their backward keeps: retain it, as Megatron does for HybridEP's permuting
+            # dispatch.
+            return False
+        if not ours:  # flex/deepep routed to us: already Megatron's flex/deepep policy
             return original(name, is_moe, config, *args, **kwargs)
         with _config_as(config, "flex", flex_deepep=True):
             return original(name, is_moe, config, *args, **kwargs)
