@@ -495,6 +495,21 @@ class CudaBackend(ReferenceBackend):
             dist.barrier(group=self.group)
             self.ll.clean()
 
+    # ---- expert-major dispatch / combine (fused permute), issue 21.
+    # FALLBACK, NOT FUSED YET: the engine's dispatch / cached dispatch / combine plus a device gather (permute) and a
+    # fixed-order device sum (un-permute) from ep_dispatcher/expert_major.py, i.e. the reference composition on the
+    # engine's outputs: bit-identical to the specification, but the permute pass is not saved. A fused intranode kernel
+    # (rows written straight into expert-major slots: aligned expert base + earlier source ranks' counts for the
+    # expert + the token's position among this source's tokens for it) replaces these three methods.
+    def dispatch_expert_major(self, *args, **kwargs):
+        return super().dispatch_expert_major(*args, **kwargs)
+
+    def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
+        return super().cached_dispatch_expert_major(x, x_scales, handle, config=config)
+
+    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        return super().combine_expert_major(x, handle, topk_weights, bias, config=config)
+
 
 def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node: int):
     """What the internode kernels need from a send pattern, by device ops only (no host sync).

@@ -110,6 +110,7 @@ for phase in $PHASES; do
         ;;
     tests)
         gpu_tests gpu_tests.log "${EP_TESTS_TIMEOUT:-420}" tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py \
+            tests/gpu/test_expert_major_gpu.py \
             tests/gpu/test_dbo_gpu.py tests/test_extension_import.py
         ;;
     ll)
