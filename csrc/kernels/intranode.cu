@@ -16,7 +16,6 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kDataThreads = 512;  // 16 warps per block: enough 16-byte loads in flight per SM for copy kernels
 constexpr int kWarpsPerBlock = kDataThreads / kWarpSize;
-constexpr int kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
 constexpr int kMaxFinishBlocks = 64;   // the receive bookkeeping is a few bytes per row: a few blocks suffice
 
 __device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<int*>(base + kFlagsOffset); }
@@ -63,13 +62,14 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
 }
 
 __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, Published publish,
-                               bool has_publish) {
+                               bool has_publish, bool clear_input_error) {
     __shared__ int* peer_flags[kMaxRanks];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
     // The barrier's fence and release order these stores before this rank's arrival.
     if (has_publish && threadIdx.x < kNumPublished) published_of(peers.base[rank])[threadIdx.x] = publish.value[threadIdx.x];
     __syncthreads();
     sync::block_barrier(peer_flags, flags_of(peers.base[rank]), epoch, rank, num_ranks, timeout_ns, stage);
+    if (clear_input_error && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
 }
 
 __global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank,
@@ -106,10 +106,18 @@ __global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peer
     }
 }
 
+// Packs a row shape for the signal area (row bytes < 2^24, top-k < 2^16: far beyond any real shape).
+__host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_row_bytes, int num_topk) {
+    return (static_cast<int64_t>(x_row_bytes) << 40) | (static_cast<int64_t>(scale_row_bytes) << 16) | num_topk;
+}
+
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix,
-                              int* rank_prefix_matrix, int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns) {
+                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t block_offset,
+                              int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk,
+                              int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go,
+                              CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
+    __shared__ int all_fit;
     char* mine = peers.base[rank];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
         peer_flags[r] = flags_of(peers.base[r]);
@@ -118,6 +126,16 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
     if (num_tokens_per_expert != nullptr) {
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_counts_of(mine)[e] = num_tokens_per_expert[e];
     }
+    const int64_t row_shape = pack_row_shape(x_row_bytes, scale_row_bytes, num_topk);
+    if (threadIdx.x == 0) {
+        int64_t* published = published_of(mine);
+        published[kPubBlockOffset] = block_offset;
+        published[kPubBlockBytes] = block_bytes;
+        published[kPubBlockRows] = block_rows;
+        published[kPubRowShape] = row_shape;
+        all_fit = 1;
+    }
+    __syncthreads();
     sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyCounts);
 
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
@@ -126,12 +144,23 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         count_matrix[i] = count;
         if (report != nullptr) report->count_matrix[i] = count;
     }
+    // Per receiver: its prefix column, and where this call's outputs go in the block it published.
     for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
         int prefix = 0;
         for (int src = 0; src < num_ranks; ++src) {
             prefix += sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
             rank_prefix_matrix[src * num_ranks + dst] = prefix;
         }
+        if (plan == nullptr) continue;
+        char* theirs = peers.base[dst];
+        const int64_t fixed_rows = load_published(theirs, kPubBlockRows);
+        const int64_t rows = fixed_rows >= 0 ? fixed_rows : prefix;
+        const int64_t base = load_published(theirs, kPubBlockOffset);
+        const ReceiveLayout layout = receive_layout(rows, x_row_bytes, scale_row_bytes, num_topk, true);
+        if (layout.end > load_published(theirs, kPubBlockBytes)) atomicAnd(&all_fit, 0);
+        const bool topk = num_topk > 0, scaled = scale_row_bytes > 0;  // -1: a field this call does not write
+        plan[dst] = ReceiverRegions{base + layout.x,    scaled ? base + layout.scales : -1, topk ? base + layout.topk : -1,
+                                    topk ? base + layout.weights : -1, base + layout.src, rows};
     }
     if (num_tokens_per_expert != nullptr) {
         const int num_local_experts = num_experts / num_ranks;
@@ -144,7 +173,8 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             if (report != nullptr) report->recv_per_expert[e] = aligned;
         }
     }
-    if (report != nullptr && threadIdx.x == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
         // Every rank reports the same (lowest) rank's error, so all ranks raise together.
         InputError found{};
         for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
@@ -157,16 +187,26 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
                 found.rank = src;
             }
         }
-        report->error = found;
+        // Ranks sending rows of another shape would write past the blocks laid out for ours: refuse (first such rank).
+        for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
+            const int64_t theirs = load_published(peers.base[src], kPubRowShape);
+            if (theirs == row_shape) continue;
+            const int x_row = static_cast<int>(theirs >> 40), scale_row = static_cast<int>((theirs >> 16) & 0xffffff),
+                      topk = static_cast<int>(theirs & 0xffff);
+            found.code = kRowShapeMismatch;
+            found.rank = src;
+            found.where = x_row != x_row_bytes ? 0 : scale_row != scale_row_bytes ? 1 : 2;
+            found.slot = found.where == 0 ? x_row_bytes : found.where == 1 ? scale_row_bytes : num_topk;
+            found.value = found.where == 0 ? x_row : found.where == 1 ? scale_row : topk;
+        }
+        if (go != nullptr) *go = all_fit && found.code == kInputOk ? 1 : 0;
+        if (report != nullptr) {
+            report->error = found;
+            report->fits = all_fit;
+            __threadfence_system();  // the report's contents before its tag
+            *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
+        }
     }
-    __syncthreads();
-    if (report != nullptr && threadIdx.x == 0) {
-        __threadfence_system();  // the report's contents before its tag
-        *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
-    }
-    // Nobody may overwrite its counts (next call) while a peer is still reading them.
-    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyDone);
-    if (threadIdx.x == 0) *input_error_of(mine) = InputError{};  // peers are done reading it
 }
 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
@@ -180,7 +220,9 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
                                                                 const char* scales, int scale_row_bytes, const int64_t* topk_idx,
                                                                 const float* topk_weights, int num_topk, int num_local_experts,
                                                                 const bool* is_token_in_rank, const int* send_pos,
-                                                                const int* count_matrix, int num_tokens) {
+                                                                const int* count_matrix, const ReceiverRegions* plan, const int* go,
+                                                                int num_tokens) {
+    if (go != nullptr && *go == 0) return;  // a receiver's block is too small or an input is bad: the host decides
     __shared__ int base_in_dst[kMaxRanks];
     __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
     __shared__ char* dst_scales[kMaxRanks];
@@ -193,16 +235,19 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
     for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
         base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
         char* data = data_of(peers.base[d]);
-        const auto region = [&](int field) -> char* {
-            const int64_t offset = load_published(peers.base[d], field);
-            return offset < 0 ? nullptr : data + offset;
-        };
-        dst_x[d] = region(kPubRecvX);
-        dst_scales[d] = region(kPubRecvScales);
-        dst_topk[d] = reinterpret_cast<int64_t*>(region(kPubRecvTopk));
-        dst_weights[d] = reinterpret_cast<float*>(region(kPubRecvWeights));
-        dst_src[d] = reinterpret_cast<int*>(region(kPubRecvSrc));
-        dst_rows[d] = load_published(peers.base[d], kPubRecvRows);
+        // Offsets from notify's plan, or the ones d published at the barrier before this kernel.
+        const auto published = [&](int field) { return load_published(peers.base[d], field); };
+        const ReceiverRegions r = plan != nullptr ? plan[d]
+                                                  : ReceiverRegions{published(kPubRecvX),       published(kPubRecvScales),
+                                                                    published(kPubRecvTopk),    published(kPubRecvWeights),
+                                                                    published(kPubRecvSrc),     published(kPubRecvRows)};
+        const auto region = [&](int64_t offset) -> char* { return offset < 0 ? nullptr : data + offset; };
+        dst_x[d] = region(r.x);
+        dst_scales[d] = region(r.scales);
+        dst_topk[d] = reinterpret_cast<int64_t*>(region(r.topk));
+        dst_weights[d] = reinterpret_cast<float*>(region(r.weights));
+        dst_src[d] = reinterpret_cast<int*>(region(r.src));
+        dst_rows[d] = r.rows;
     }
     __syncthreads();
 
@@ -302,15 +347,15 @@ __global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data
     }
 }
 
-__global__ void finish_receive_kernel(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
-                                      int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
+__global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
+                                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
     __shared__ int num_recv;
     if (threadIdx.x == 0) num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
     __syncthreads();
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows_out; row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const bool received = row < num_recv;
-        recv_src_idx[row] = received ? src[row] : -1;
-        if (!received && recv_topk_idx != nullptr) {
+    for (int64_t row = num_recv + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows_out;
+         row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        recv_src_idx[row] = -1;
+        if (recv_topk_idx != nullptr) {
             for (int k = 0; k < num_topk; ++k) {
                 recv_topk_idx[row * num_topk + k] = -1;
                 recv_topk_weights[row * num_topk + k] = 0.0f;
@@ -478,10 +523,7 @@ DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_r
 }
 
 int64_t dispatch_bytes(int64_t rows, int x_row_bytes, int scale_row_bytes, int num_topk, bool with_src) {
-    return align_up(rows * x_row_bytes, kRegionAlignment) + align_up(rows * scale_row_bytes, kRegionAlignment) +
-           align_up(rows * num_topk * static_cast<int64_t>(sizeof(int64_t)), kRegionAlignment) +
-           align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment) +
-           (with_src ? align_up(rows * static_cast<int64_t>(sizeof(int)), kRegionAlignment) : 0);
+    return receive_layout(rows, x_row_bytes, scale_row_bytes, num_topk, with_src).end;
 }
 
 int64_t combine_bytes(int64_t rows, int x_row_bytes, int num_topk) {
@@ -509,33 +551,39 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 }
 
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, CountReport* report,
-            int report_tag, int64_t timeout_ns, cudaStream_t stream) {
+            int num_experts, int expert_alignment, int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes,
+            int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
+            int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
+    EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
+                   scale_row_bytes, "/", num_topk, " does not pack");
     notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, count_matrix, rank_prefix_matrix, recv_per_expert,
-                                                         report, report_tag, timeout_ns);
+                                                         num_experts, expert_alignment, block_offset, block_bytes, block_rows, x_row_bytes,
+                                                         scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
+                                                         go, report, report_tag, timeout_ns);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
-             cudaStream_t stream) {
+             cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     static_assert(kNumPublished <= kNumThreadsPerBlock, "one thread per published field");
     barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage,
-                                                          publish != nullptr ? *publish : Published{}, publish != nullptr);
+                                                          publish != nullptr ? *publish : Published{}, publish != nullptr,
+                                                          clear_input_error);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
               const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
-              const int* send_pos, const int* count_matrix, int num_tokens, int num_sms, cudaStream_t stream) {
+              const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens, int num_sms,
+              cudaStream_t stream) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
     if (num_tokens == 0) return;
     dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreads, 0, stream>>>(
         peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, num_tokens);
+        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -549,12 +597,12 @@ void copy_out(const char* data, const DispatchRegions& regions, const int* count
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void finish_receive(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
-                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk, cudaStream_t stream) {
+void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx, int64_t* recv_topk_idx,
+                  float* recv_topk_weights, int num_topk, cudaStream_t stream) {
     if (rows_out == 0) return;
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(rows_out, kNumThreadsPerBlock), kMaxFinishBlocks));
-    finish_receive_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(src, count_matrix, rank, num_ranks, rows_out, recv_src_idx,
-                                                                    recv_topk_idx, recv_topk_weights, num_topk);
+    mark_padding_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(count_matrix, rank, num_ranks, rows_out, recv_src_idx, recv_topk_idx,
+                                                                  recv_topk_weights, num_topk);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -8,7 +8,6 @@ namespace ep::sync {
 enum Stage : int {
     // Intranode (CUDA-IPC barrier of sync.cuh).
     kStageNotifyCounts = 0,
-    kStageNotifyDone = 1,
     kStageDispatchData = 2,
     kStageCombineReady = 3,
     kStageCombineData = 4,

@@ -52,7 +52,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 __device__ __forceinline__ const char* stage_name(int stage) {
     switch (stage) {
         case kStageNotifyCounts: return "notify: waiting for peers' counts";
-        case kStageNotifyDone: return "notify: waiting for peers to finish reading counts";
         case kStageDispatchData: return "dispatch: waiting for peers' token writes";
         case kStageCombineReady: return "combine: waiting for peers to be ready to receive";
         case kStageCombineData: return "combine: waiting for peers' expert outputs";

@@ -43,6 +43,8 @@ class IpcBuffer {
     int next_report_tag() { return ++report_tag_; }
     // Tag of a fresh dispatch whose report nobody waited for (num_worst_tokens): checked at the next call, 0 if none.
     int unchecked_report_tag = 0;
+    // Fresh dispatches whose rows did not fit where notify laid them out, so that their data phase ran again (tests).
+    int64_t dispatch_reruns = 0;
     const intranode::Peers& peers() const { return peers_; }
 
    private:

@@ -237,6 +237,14 @@ def _input_error_worker(rank: int, world: int) -> list:
     except ValueError as e:
         messages.append(str(e))
 
+    # Rows of another width on one rank would overrun the blocks laid out for the others: every rank refuses.
+    x_wide = torch.randn((num_tokens, hidden + (64 if rank == 0 else 0)), generator=g).to(torch.bfloat16).to(device)
+    try:
+        cuda.dispatch(x_wide, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+
     # The buffer still works, bit-exact.
     out_c = cuda.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
     out_r = ref.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
@@ -248,12 +256,13 @@ def _input_error_worker(rank: int, world: int) -> list:
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
-    for rank, (range_error, count_error) in enumerate(run(_input_error_worker, world)):
+    for rank, (range_error, count_error, shape_error) in enumerate(run(_input_error_worker, world)):
         assert "topk_idx: expected entries in [-1, " in range_error, (rank, range_error)
         assert f"got {4 * world + 7} at token 5, column 1" in range_error, (rank, range_error)
         assert (rank == world - 1) == ("on rank" not in range_error), (rank, range_error)
         assert "num_tokens_per_rank: entry" in count_error, (rank, count_error)
         assert "is_token_in_rank sends" in count_error, (rank, count_error)
+        assert "x: row bytes (hidden x element size) must be the same on every rank" in shape_error, (rank, shape_error)
 
 
 def _lifetime_worker(rank: int, world: int) -> int:
@@ -310,3 +319,49 @@ def _lifetime_worker(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_outputs_outlive_later_calls_and_the_buffer(world: int) -> None:
     assert run(_lifetime_worker, world) == [6] * world
+
+
+def _rerun_worker(rank: int, world: int) -> int:
+    """A fresh dispatch that does not fit in the largest free region while earlier outputs fill the pool: the block
+    laid out before the counts were known is too small, so the data phase runs again after evicting the oldest
+    outputs. Exact, and the outputs kept alive are unchanged."""
+    device = _set_device(rank)
+    config = Config(NUM_SMS)
+    hidden, n = 512, 64
+    # Token t goes to rank t % world only (no top-k): every rank receives exactly num_tokens rows, in source order.
+    row_bytes = hidden * 2 + 4
+    pool_bytes = int(1.6 * 4 * n * row_bytes) + (1 << 16)  # one big call's outputs and a bit more
+    cuda = Buffer(None, num_nvl_bytes=pool_bytes, backend="cuda", timeout_s=60)
+    cuda._backend.ipc.poison_receive_pool(True)
+
+    def inputs(num_tokens: int, seed: int, source: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed + source)
+        return torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+
+    def call(num_tokens: int, seed: int):
+        x = inputs(num_tokens, seed, rank)
+        in_rank = torch.nn.functional.one_hot(torch.arange(num_tokens) % world, world).bool().to(device)
+        recv_x, _, _, _, handle, _ = cuda.dispatch(
+            x, num_tokens_per_rank=in_rank.sum(0).int(), is_token_in_rank=in_rank, config=config
+        )
+        expected = torch.cat([inputs(num_tokens, seed, s)[rank::world] for s in range(world)])
+        assert torch.equal(recv_x, expected), f"{num_tokens} tokens: received rows"
+        return x, recv_x, handle, expected
+
+    _, big, _, big_expected = call(4 * n, 900)  # fills most of the pool
+    _, small, _, small_expected = call(n, 910)  # after it
+    before = cuda._backend.ipc.dispatch_reruns
+    x2, big2, handle2, big2_expected = call(4 * n, 920)  # the free region left is too small: it runs again
+    reruns = cuda._backend.ipc.dispatch_reruns - before
+    combined, _, _ = cuda.combine(big2, handle2, config=config)
+    assert torch.equal(combined, x2), "combine of the rerun call's rows"
+    for name, a, a0 in (("big", big, big_expected), ("small", small, small_expected), ("big2", big2, big2_expected)):
+        assert torch.equal(a, a0), f"{name} changed"
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return reruns
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_fresh_dispatch_reruns_when_the_laid_out_block_is_too_small(world: int) -> None:
+    assert run(_rerun_worker, world) == [1] * world
