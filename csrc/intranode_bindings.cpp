@@ -99,7 +99,7 @@ DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor
     const intranode::ReceiveLayout layout = intranode::receive_layout(rows_out, x_row, scale_row, num_topk, fresh);
     const int64_t block = pool.take_block(layout.end, true, stream).first;
     ReceiveTensors out = receive_tensors(pool, block, layout, rows_out, x, scales, num_topk, fresh, stream);
-    pool.end_block(layout.end, stream);
+    pool.end_block(layout.end);
 
     intranode::Published publish = nothing_published();
     publish.value[intranode::kPubRecvX] = block + layout.x;
@@ -150,8 +150,12 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
     for (int64_t spins = 1; *published != tag; ++spins) {
         if (spins % kSpinsPerCheck != 0) continue;
         const cudaError_t state = cudaStreamQuery(stream);
-        TORCH_CHECK(state == cudaSuccess || state == cudaErrorNotReady, "ep_dispatcher: rank ", buffer.rank(),
-                    ": the stream faulted while the host waited for the count exchange: ", cudaGetErrorString(state));
+        if (state != cudaSuccess && state != cudaErrorNotReady) {
+            // A synchronizing call flushes the device's printf buffer: the kernel's own report (peer, stage) comes out.
+            cudaStreamSynchronize(stream);
+            TORCH_CHECK(false, "ep_dispatcher: rank ", buffer.rank(), ": the stream faulted while the host waited for the count exchange: ",
+                        cudaGetErrorString(state), " (a kernel timeout prints the peer and stage it waited for)");
+        }
         if (state == cudaSuccess && *published != tag) break;  // cannot happen: the stream ran notify; re-read below
         const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
         TORCH_CHECK(waited < host_timeout_ns, "ep_dispatcher: timeout after ", host_timeout_ns / 1000000, " ms on rank ", buffer.rank(),
@@ -217,7 +221,7 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     std::optional<ReceiveTensors> worst_out;  // known sizes: the tensors exist before the kernels (graph capture)
     if (worst) {
         worst_out = receive_tensors(pool, block, worst_layout, num_worst_tokens, x, scales, num_topk, true, stream);
-        pool.end_block(worst_layout.end, stream);
+        pool.end_block(worst_layout.end);
     }
 
     // One allocation for the small per-call state: counts [R] | count matrix [R, R] | prefix matrix [R, R] | per expert
@@ -266,7 +270,7 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     wait_for_report(buffer, tag, stream, timeout_ns);
     const intranode::CountReport& report = *buffer.report();
     if (report.error.code != intranode::kInputOk) {
-        pool.end_block(0, stream);
+        pool.end_block(0);
         raise_input_error(report.error, rank, num_experts);
     }
     at::Tensor count_matrix_host =
@@ -287,12 +291,12 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     const intranode::ReceiveLayout layout = intranode::receive_layout(rows_out, x_row, scale_row, num_topk, true);
     if (report.fits) {
         ReceiveTensors out = receive_tensors(pool, block, layout, rows_out, x, scales, num_topk, true, stream);
-        pool.end_block(layout.end, stream);
+        pool.end_block(layout.end);
         return {out.x, out.scales, out.topk, out.weights, out.src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
                 count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent, 0};
     }
     // Some receiver's block was too small: nothing moved. Every rank sees the same counts, so all take the same branch.
-    pool.end_block(0, stream);
+    pool.end_block(0);
     ++buffer.dispatch_reruns;
     if (most > intranode::dispatch_capacity(pool.capacity(), x_row, scale_row, num_topk))
         return {x, std::nullopt, std::nullopt, std::nullopt, send_pos, send_pos, count_matrix, rank_prefix_matrix, std::nullopt,

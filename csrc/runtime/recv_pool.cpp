@@ -164,12 +164,13 @@ at::Tensor RecvPool::tensor_at(int64_t offset, at::IntArrayRef sizes, at::Scalar
     return own_locked(offset, bytes, sizes, dtype, capturing(stream));
 }
 
-void RecvPool::end_block(int64_t used, cudaStream_t stream) {
+void RecvPool::end_block(int64_t used) {
     std::unique_lock<std::mutex> lock(mutex_);
     TORCH_CHECK(block_offset_ >= 0 && used <= block_bytes_, "receive pool: end_block without a block, or past it");
     used = aligned(used);
-    // The rest was written at most by the poison fill (on `stream`): reusable once `stream` is past it.
-    if (used < block_bytes_) pending_.push_back(Freed{block_offset_ + used, block_bytes_ - used, stream});
+    // Nothing wrote the rest (but the test-only poison fill, ordered on `stream`): it is free again at once, also for a
+    // graph captured next (pending regions wait for a settle, which captures skip).
+    if (used < block_bytes_) free_locked(block_offset_ + used, block_bytes_ - used);
     block_offset_ = -1;
     block_bytes_ = 0;
 }

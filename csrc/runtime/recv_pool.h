@@ -55,7 +55,7 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
     // A tensor on [offset, offset + its aligned bytes) of the taken block, owned by the tensor (its deleter gives the
     // region back).
     at::Tensor tensor_at(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype, cudaStream_t stream);
-    void end_block(int64_t used, cudaStream_t stream);
+    void end_block(int64_t used);
     // A region for the length of one call (combine's returned rows); give it back with release_transient.
     int64_t transient(int64_t bytes, cudaStream_t stream);
     void release_transient(int64_t offset, cudaStream_t stream);
