@@ -767,8 +767,12 @@ class Buffer:
             return_recv_hook: launch only the send phase and return ``hook``; ``hook()`` runs the receive phase.
             cumulative_local_expert_recv_stats: optional ``[num_local_experts] int32``, incremented by ``recv_count``.
             dispatch_wait_recv_cost_stats: optional ``[num_ranks] int64`` (DeepEP's check; its docstring says
-                ``[num_ranks, num_ranks]``): time spent waiting for each source rank's data, accumulated. See
-                ``_add_wait_cost`` for what each backend adds.
+                ``[num_ranks, num_ranks]``): time the receive phase spent waiting for each source rank's data,
+                accumulated (``stats[r] +=``), as DeepEP. The CUDA engine adds the SM clock cycles (``clock64``) its
+                receive kernel spun on each (local expert, source rank) count, one add per count, in the receive
+                kernel itself (no extra kernel, no host sync; captured in CUDA graphs; with ``return_recv_hook`` the
+                hook's kernel adds them). The reference backend adds 0 to every rank: it receives through a blocking
+                collective, which exposes no per-peer wait to measure.
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``[E_local, num_ranks * max_tokens, hidden]``
             bf16, or with FP8 a pair ``(float8 data, scales)`` where scales are ``[E_local, num_ranks * max_tokens,
@@ -836,6 +840,7 @@ class Buffer:
             self.buffer_id,
             half=half,
             cumulative_stats=cumulative_local_expert_recv_stats,
+            wait_stats=dispatch_wait_recv_cost_stats,
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
@@ -843,7 +848,6 @@ class Buffer:
 
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
-            self._add_wait_cost(dispatch_wait_recv_cost_stats)
             handle.received = True
 
         hook = self._make_hook(finish, return_recv_hook, half)
@@ -855,17 +859,6 @@ class Buffer:
     def _check_wait_cost_stats(self, name: str, stats: Optional[torch.Tensor], device: torch.device) -> None:
         if stats is not None:
             check_tensor(name, stats, dtypes=torch.int64, shape=(self.group_size,), device=device)
-
-    def _add_wait_cost(self, stats: Optional[torch.Tensor]) -> None:
-        """Accumulate the receive wait per source rank into a ``*_wait_recv_cost_stats`` tensor.
-
-        DeepEP adds the GPU clock cycles (``clock64``) its receive warps spin for each source rank's signal. The
-        reference backend receives through a blocking collective, which exposes no per-peer wait: it adds 0 to every
-        rank (defined, so a caller's monitoring sees "no rank was slow"). The CUDA engine adds the same 0 until its
-        receive kernels report their spin cycles (a gap recorded in docs/deepep_compat.md).
-        """
-        if stats is not None:
-            stats.add_(self._backend.receive_wait_cycles(self.group_size, stats.device))
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` buffer the next ``low_latency_combine`` reads
@@ -903,7 +896,9 @@ class Buffer:
             use_logfmt: send the expert outputs in DeepEP's LogFMT-10 format (``ep_dispatcher.logfmt``): each
                 128-channel group below 1 in magnitude is rounded to the format before the sum.
             out: optional ``[num_tokens, hidden] bfloat16`` destination.
-            combine_wait_recv_cost_stats: optional ``[num_ranks] int64``, see ``low_latency_dispatch``.
+            combine_wait_recv_cost_stats: optional ``[num_ranks] int64``, accumulated as in ``low_latency_dispatch``:
+                the CUDA engine adds the ``clock64`` cycles its receive kernel spun on each expert's flag to the rank
+                that holds the expert (one add per expert); the reference backend adds 0.
         Returns:
             ``(combined_x [num_tokens, hidden] bfloat16, event, hook)``.
         """
@@ -940,11 +935,12 @@ class Buffer:
             x = self._backend.logfmt_roundtrip(x, inplace=zero_copy)
         self._enter_low_latency_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
         half = self._take_low_latency_half()
-        receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
+        receive = self._backend.low_latency_combine(
+            x, topk_idx, topk_weights, handle, half=half, wait_stats=combine_wait_recv_cost_stats
+        )
 
         def finish() -> None:
             receive(out)
-            self._add_wait_cost(combine_wait_recv_cost_stats)
 
         hook = self._make_hook(finish, return_recv_hook, half)
         self._raise_low_latency_error(pending_hook=hook)

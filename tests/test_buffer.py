@@ -309,6 +309,22 @@ def test_low_latency_rejects_bad_inputs(group):
             ValueError,
             r"cumulative_local_expert_recv_stats: expected shape \[8\], got \[9\]",
         ),
+        # [num_ranks] int64 as DeepEP's C++ checks (one rank here); a wrong dtype is a TypeError, as for every tensor.
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64)),
+            ValueError,
+            r"dispatch_wait_recv_cost_stats: expected shape \[1\], got \[2\]",
+        ),
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int32)),
+            TypeError,
+            r"dispatch_wait_recv_cost_stats: expected dtype torch.int64, got torch.int32",
+        ),
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(1, 1, dtype=torch.int64)),
+            ValueError,
+            r"dispatch_wait_recv_cost_stats: expected shape \[1\], got \[1, 1\]",
+        ),
     ]
     for override, exc, pattern in cases:
         kwargs = dict(x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=E)
@@ -325,6 +341,16 @@ def test_low_latency_rejects_bad_inputs(group):
     with pytest.raises(ValueError, match=r"combine_wait_recv_cost_stats: expected shape \[1\], got \[2\]"):
         buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
                                 combine_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"combine_wait_recv_cost_stats: expected dtype torch.int64, got torch.float32"):
+        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
+                                combine_wait_recv_cost_stats=torch.zeros(1, dtype=torch.float32))
+    # The reference backend adds 0 per rank (no per-peer wait to measure) and leaves the rest of the tensor alone.
+    wait_stats = torch.full((1,), 5, dtype=torch.int64)
+    buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=wait_stats)
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True,
+                                                     dispatch_wait_recv_cost_stats=wait_stats)
+    hook()
+    assert wait_stats.tolist() == [5]
     with pytest.raises(ValueError, match=r"topk_idx: expected shape \[6, 2\] \(as dispatched\), got \[6, 1\]"):
         buf.low_latency_combine(recv_x, topk_idx[:, :1].contiguous(), topk_weights, handle)
     with pytest.raises(ValueError, match=r"out: expected shape \[6, 128\], got \[5, 128\]"):

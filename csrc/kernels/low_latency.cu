@@ -114,6 +114,18 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* signal, unsigned
     }
 }
 
+// wait_signal, and the SM clock cycles (clock64, as DeepEP) it spun added to `wait_stats[peer]` (int64 [R], accumulated
+// across calls) when `record` (one waiting thread per signal in the grid, so each wait is counted once) and the
+// caller passed stats. One atomicAdd per wait, after it ends: nothing is added per spin.
+__device__ __forceinline__ uint64_t wait_signal_timed(const uint64_t* signal, unsigned long long epoch, const Half& h, const char* stage,
+                                                      int peer, int expert, int64_t* wait_stats, bool record) {
+    const long long start = clock64();
+    const uint64_t v = wait_signal(signal, epoch, h, stage, peer, expert);
+    if (record && wait_stats != nullptr)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + peer), static_cast<unsigned long long>(clock64() - start));
+    return v;
+}
+
 __device__ __forceinline__ uint64_t* dispatch_signals(const Layout& L, const Half& h) {
     return reinterpret_cast<uint64_t*>(h.local + L.dispatch_signal_offset());
 }
@@ -436,7 +448,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 // inside a source. Block 0 writes the counts and the handle's ranges; all blocks mark the unused slots.
 template <bool kUseFP8, bool kUE8M0>
 __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
-                                                                  int64_t* layout_range, int* recv_count, int* cumulative_stats) {
+                                                                  int64_t* layout_range, int* recv_count, int* cumulative_stats,
+                                                                  int64_t* wait_stats) {
     extern __shared__ int prefix[];
     __shared__ unsigned long long epoch_shared;
     const int R = L.num_ranks, T = L.max_tokens, H = L.hidden, E_local = L.num_local_experts;
@@ -446,8 +459,11 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
+    // Every block waits for every count; block 0's waits are the ones recorded: one per (local expert, source rank), as
+    // DeepEP adds one per (expert, source) it waits for.
     build_prefixes(L, begin, start, [&](int pair) {
-        const uint64_t v = wait_signal(dispatch_signals(L, h) + pair, epoch, h, "dispatch receive", pair % R, h.rank * E_local + pair / R);
+        const uint64_t v = wait_signal_timed(dispatch_signals(L, h) + pair, epoch, h, "dispatch receive", pair % R,
+                                             h.rank * E_local + pair / R, wait_stats, blockIdx.x == 0);
         return static_cast<int>(v & 0xffffffffu);
     });
     if (blockIdx.x == 0) {
@@ -557,13 +573,15 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
 // Entries without a slot (-1, skipped in dispatch) add nothing; ids out of range are reported and skipped.
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
-                                                                  const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out) {
+                                                                  const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
+                                                                  int64_t* wait_stats) {
     __shared__ unsigned long long epoch_shared;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
+    // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
     for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x)
-        wait_signal(combine_signals(L, h) + e, epoch, h, "combine receive", e / L.num_local_experts, e);
+        wait_signal_timed(combine_signals(L, h) + e, epoch, h, "combine receive", e / L.num_local_experts, e, wait_stats, blockIdx.x == 0);
     __syncthreads();
     const int chunks = L.hidden / 8;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
@@ -675,18 +693,18 @@ void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t*
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
-                   int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
+                   int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream) {
     const size_t shared = prefix_shared_bytes(L);
     const dim3 grid(receive_grid(L, h.max_blocks));
     if (!use_fp8)
         receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                                 cumulative_stats);
+                                                                                 cumulative_stats, wait_stats);
     else if (use_ue8m0)
         receive_tokens_kernel<true, true><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                               cumulative_stats);
+                                                                               cumulative_stats, wait_stats);
     else
         receive_tokens_kernel<true, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                                cumulative_stats);
+                                                                                cumulative_stats, wait_stats);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -697,9 +715,9 @@ void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_stage
 }
 
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
-                  int num_topk, void* out, int num_sms, cudaStream_t stream) {
+                  int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream) {
     reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, 0, stream>>>(
-        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
+        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), wait_stats);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

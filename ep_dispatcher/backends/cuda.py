@@ -418,11 +418,12 @@ class CudaBackend(ReferenceBackend):
         buffer_id,
         half=0,
         cumulative_stats=None,
+        wait_stats=None,
     ):
         if self.ll is None or not x.is_cuda:
             return super().low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, buffer_id,
-                half=half, cumulative_stats=cumulative_stats,
+                half=half, cumulative_stats=cumulative_stats, wait_stats=wait_stats,
             )
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
@@ -445,24 +446,26 @@ class CudaBackend(ReferenceBackend):
 
         def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count: torch.Tensor) -> None:
             # The scales are a transposed view of a [E_local, groups, slots] tensor: the kernel writes that storage.
+            # wait_stats: the receive kernel adds the clock64 cycles it spun per source rank (no extra kernel).
             storage = None if recv_scales is None else recv_scales.transpose(1, 2)
             self.ll.dispatch_recv(
                 half, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, storage, src_info, layout_range,
-                recv_count, cumulative_stats,
+                recv_count, cumulative_stats, wait_stats,
             )
 
         return handle, receive
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0, wait_stats=None):
         state = handle.backend_state
         if self.ll is None or not x.is_cuda or state.get("engine") != "cuda":
-            return super().low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
+            return super().low_latency_combine(x, topk_idx, topk_weights, handle, half=half, wait_stats=wait_stats)
         max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         self.ll.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
 
         def receive(out: torch.Tensor) -> None:
             self.ll.combine_recv(
-                half, topk_idx, topk_weights, state["send_slot"], max_tokens, num_experts, out, self.ll.max_blocks
+                half, topk_idx, topk_weights, state["send_slot"], max_tokens, num_experts, out, self.ll.max_blocks,
+                wait_stats,
             )
 
         return receive

@@ -361,10 +361,13 @@ class ReferenceBackend:
         buffer_id: int,
         half: int = 0,
         cumulative_stats: Optional[torch.Tensor] = None,
+        wait_stats: Optional[torch.Tensor] = None,
     ):
         """Exchange now; returns ``(handle, receive)`` where ``receive(recv_x, recv_scales, recv_count)`` fills the
         outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
-        engines."""
+        engines. ``wait_stats`` (``dispatch_wait_recv_cost_stats``, ``[num_ranks] int64``) is left as it is, i.e.
+        0 is added for every rank: the exchange is a blocking collective, which exposes no per-peer wait to
+        measure (the CUDA engine adds the cycles its receive kernel spins per source rank)."""
         num_tokens, hidden = x.shape
         num_topk = topk_idx.size(1)
         num_ranks, device = self.num_ranks, x.device
@@ -465,8 +468,10 @@ class ReferenceBackend:
         topk_weights: torch.Tensor,
         handle: LowLatencyHandle,
         half: int = 0,
+        wait_stats: Optional[torch.Tensor] = None,
     ):
-        """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``."""
+        """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``.
+        ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it is (0 added), as in ``low_latency_dispatch``."""
         state = handle.backend_state
         hidden = x.size(-1)
         rows = x.reshape(-1, hidden)[state["recv_flat_slot"]]
@@ -492,11 +497,6 @@ class ReferenceBackend:
         """``x`` encoded to LogFMT-10 and decoded (``ep_dispatcher.logfmt``); written back into ``x`` if ``inplace``."""
         y = logfmt_roundtrip(x)
         return x.copy_(y) if inplace else y
-
-    def receive_wait_cycles(self, num_ranks: int, device: torch.device) -> torch.Tensor:
-        """What a receive phase adds to ``*_wait_recv_cost_stats``: ``[num_ranks] int64`` zeros (a collective
-        exposes no per-peer wait; see ``Buffer._add_wait_cost``)."""
-        return torch.zeros(num_ranks, dtype=torch.int64, device=device)
 
     def low_latency_combine_buffer(self, half: int, shape: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
         """The zero-copy combine input of buffer half ``half`` (persistent across calls)."""
