@@ -24,8 +24,6 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
 void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) {
     check_cuda_tensor(t, name, buffer.device());
 }
@@ -362,7 +360,7 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
                               buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
-                              x.scalar_type() == at::kBFloat16 ? intranode::FloatType::kBFloat16 : intranode::FloatType::kFloat32,
+                              float_type_of(x),
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),
                               out_weights ? out_weights->data_ptr<float>() : nullptr, num_topk, static_cast<int>(num_sms), stream);
     // Peers may be reading this rank's input until they pass this point (every rank waits, as they cannot know).
@@ -378,10 +376,13 @@ void register_intranode(py::module_& m) {
     py::class_<IpcBuffer>(m, "IpcBuffer", "One rank's CUDA-IPC buffer (signal area + data area) and its peers' mappings.")
         .def(py::init<int, int, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_data_bytes"), py::arg("device"))
         .def("ipc_handle", [](const IpcBuffer& b) { return py::bytes(b.ipc_handle()); })
-        .def("open_peers", [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
-            std::vector<std::string> raw(handles.begin(), handles.end());
-            b.open_peers(raw);
-        })
+        .def(
+            "open_peers",
+            [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
+                std::vector<std::string> raw(handles.begin(), handles.end());
+                b.open_peers(raw);
+            },
+            py::arg("handles"))
         .def("destroy", &IpcBuffer::destroy)
         .def_property_readonly("data_bytes", &IpcBuffer::data_bytes)
         .def_property_readonly("dispatch_reruns", [](const IpcBuffer& b) { return b.dispatch_reruns; },
@@ -390,11 +391,13 @@ void register_intranode(py::module_& m) {
         .def("dispatch_capacity",
              [](const IpcBuffer& b, int x_row_bytes, int scale_row_bytes, int num_topk) {
                  return intranode::dispatch_capacity(b.pool().capacity(), x_row_bytes, scale_row_bytes, num_topk);
-             })
+             },
+             py::arg("x_row_bytes"), py::arg("scale_row_bytes"), py::arg("num_topk"))
         .def("combine_capacity",
              [](const IpcBuffer& b, int x_row_bytes, int num_topk) {
                  return intranode::combine_capacity(b.pool().capacity(), x_row_bytes, num_topk);
-             })
+             },
+             py::arg("x_row_bytes"), py::arg("num_topk"))
         .def("poison_receive_pool", [](IpcBuffer& b, bool on) { b.pool().set_poison(on); }, py::arg("on"),
              "Tests: fill every new receive region with 0xff, so rows a kernel fails to write show up.");
     m.attr("INTRANODE_SIGNAL_BYTES") = static_cast<int64_t>(intranode::kSignalBytes);

@@ -20,8 +20,6 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
 // One rank's share of the symmetric low-latency buffer, its peers' direct mappings and the epochs.
 class LowLatencyBuffer {
    public:
@@ -207,12 +205,22 @@ void register_low_latency(py::module_& m) {
              py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"), py::arg("max_blocks"))
         .def_property_readonly("max_blocks", [](const LowLatencyBuffer& b) { return b.max_blocks(); })
         .def_property_readonly("num_direct_peers", &LowLatencyBuffer::num_direct_peers)
-        .def("half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; })
-        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::call_guard<py::gil_scoped_release>())
-        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::call_guard<py::gil_scoped_release>())
-        .def("combine_send", &LowLatencyBuffer::combine_send, py::call_guard<py::gil_scoped_release>())
-        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::call_guard<py::gil_scoped_release>())
-        .def("combine_buffer", &LowLatencyBuffer::combine_buffer)
+        .def(
+            "half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; },
+            py::arg("max_tokens"), py::arg("num_experts"), py::arg("hidden"))
+        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::arg("half_index"), py::arg("x"), py::arg("topk_idx"), py::arg("max_tokens"),
+             py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::call_guard<py::gil_scoped_release>())
+        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
+             py::arg("hidden"), py::arg("use_fp8"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
+             py::arg("layout_range"), py::arg("recv_count"), py::arg("cumulative_stats"), py::arg("wait_stats"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("combine_send", &LowLatencyBuffer::combine_send, py::arg("half_index"), py::arg("x"), py::arg("layout_range"),
+             py::arg("max_tokens"), py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
+        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::arg("half_index"), py::arg("topk_idx"), py::arg("topk_weights"),
+             py::arg("send_slot"), py::arg("max_tokens"), py::arg("num_experts"), py::arg("out"), py::arg("num_sms"), py::arg("wait_stats"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("combine_buffer", &LowLatencyBuffer::combine_buffer, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
+             py::arg("hidden"))
         .def("take_error", &LowLatencyBuffer::take_error)
         .def("grid_blocks", &LowLatencyBuffer::grid_blocks, py::arg("num_tokens"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"))

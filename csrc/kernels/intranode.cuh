@@ -23,13 +23,12 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "constants.h"
 
 namespace ep::intranode {
 
 constexpr int kMaxRanks = 128;     // ranks one IPC domain is sized for (NVL72 fits); the signal area scales with it
 constexpr int kMaxExperts = 8192;  // experts whose counts fit in the signal area
-constexpr int kMaxTopk = 16;       // widest top-k (DESIGN: NUM_MAX_TOPK)
-constexpr int64_t kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
 // Signal area at the start of every rank's buffer: barrier flags, this rank's per-rank and per-expert counts, and
 // the input error its last send-position pass found (read by peers during notify, so every rank raises together).
 constexpr size_t kFlagsOffset = 0;
@@ -182,8 +181,6 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
 // Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from.
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
                   int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
-
-enum class FloatType : int { kBFloat16 = 0, kFloat32 = 1 };
 
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).

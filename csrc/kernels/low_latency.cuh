@@ -32,10 +32,11 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace ep::low_latency {
 
 constexpr int kHeaderBytes = 16;  // a message's header: source token index (int32) + padding to 16 bytes
-constexpr int kFp8GroupSize = 128;
 constexpr int kMaxRanks = 1024;                      // shared-memory prefix arrays in the receive kernels
 constexpr int kMaxPrefixSharedBytes = 48 * 1024;     // their size: the default dynamic shared-memory limit
 
