@@ -19,6 +19,8 @@ inline void check_cuda_tensor(const at::Tensor& t, const char* name, int device)
 
 // The kernels' element type of a combine payload: BF16, else fp32 (the Python layer routes every other dtype to the
 // reference backend).
-inline FloatType float_type_of(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 ? FloatType::kBFloat16 : FloatType::kFloat32; }
+inline FloatType float_type_of(const at::Tensor& x) {
+    return x.scalar_type() == at::kBFloat16 ? FloatType::kBFloat16 : FloatType::kFloat32;
+}
 
 }  // namespace ep

@@ -140,15 +140,17 @@ class InternodeBuffer {
         }
         at::Tensor recv_src = at::empty({rows_out}, x.options().dtype(at::kInt));
         intranode::copy_out(reinterpret_cast<const char*>(base_ + L.recv_offset), regions, count_matrix.data_ptr<int>(), ctx_.rank, R,
-                            static_cast<int>(rows_out), recv_x.data_ptr(), x_row, recv_scales ? recv_scales->data_ptr() : nullptr, scale_row,
-                            recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr, recv_weights ? recv_weights->data_ptr<float>() : nullptr,
-                            num_topk, recv_src.data_ptr<int>(), static_cast<int>(num_sms), s);
+                            static_cast<int>(rows_out), recv_x.data_ptr(), x_row, recv_scales ? recv_scales->data_ptr() : nullptr,
+                            scale_row, recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr,
+                            recv_weights ? recv_weights->data_ptr<float>() : nullptr, num_topk, recv_src.data_ptr<int>(),
+                            static_cast<int>(num_sms), s);
         return {recv_x, recv_scales, recv_topk, recv_weights, recv_src, fwd_pos};
     }
 
-    std::tuple<at::Tensor, OptTensor> combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0, const OptTensor& bias1,
-                                              const at::Tensor& rdma_send_pos, const at::Tensor& count_matrix, const at::Tensor& node_count,
-                                              const at::Tensor& fwd_pos, int64_t num_tokens, int64_t hidden_bytes, int64_t num_sms) {
+    std::tuple<at::Tensor, OptTensor> combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
+                                              const OptTensor& bias1, const at::Tensor& rdma_send_pos, const at::Tensor& count_matrix,
+                                              const at::Tensor& node_count, const at::Tensor& fwd_pos, int64_t num_tokens,
+                                              int64_t hidden_bytes, int64_t num_sms) {
         for (const auto& [t, name] : {std::pair{&x, "x"}, {&rdma_send_pos, "rdma_send_pos"}, {&count_matrix, "count_matrix"},
                                       {&node_count, "node_count"}, {&fwd_pos, "fwd_pos"}})
             check(*t, name);
@@ -166,11 +168,11 @@ class InternodeBuffer {
         at::Tensor out = at::empty({num_tokens, hidden}, x.options());
         OptTensor out_weights;
         if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
-        internode::combine(L, ctx(), F, float_type_of(x),
-                           x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, bias0 ? bias0->data_ptr() : nullptr,
-                           bias1 ? bias1->data_ptr() : nullptr, rdma_send_pos.data_ptr<int>(), count_matrix.data_ptr<int>(),
-                           node_count.data_ptr<int>(), fwd_pos.data_ptr<int>(), static_cast<int>(fwd_pos.size(1)), static_cast<int>(num_tokens),
-                           out.data_ptr(), out_weights ? out_weights->data_ptr<float>() : nullptr, static_cast<int>(num_sms), stream());
+        internode::combine(L, ctx(), F, float_type_of(x), x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                           bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, rdma_send_pos.data_ptr<int>(),
+                           count_matrix.data_ptr<int>(), node_count.data_ptr<int>(), fwd_pos.data_ptr<int>(),
+                           static_cast<int>(fwd_pos.size(1)), static_cast<int>(num_tokens), out.data_ptr(),
+                           out_weights ? out_weights->data_ptr<float>() : nullptr, static_cast<int>(num_sms), stream());
         return {out, out_weights};
     }
 

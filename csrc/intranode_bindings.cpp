@@ -126,8 +126,9 @@ void raise_input_error(const intranode::InputError& error, int my_rank, int64_t 
         TORCH_CHECK_VALUE(false, "topk_idx: expected entries in [-1, ", num_experts, ") (-1 = no expert), got ", error.value, " at token ",
                           error.where, ", column ", error.slot, where.str());
     if (error.code == intranode::kTokensPerRankMismatch)
-        TORCH_CHECK_VALUE(false, "num_tokens_per_rank: entry ", error.where, " is ", error.value, " but is_token_in_rank sends ", error.slot,
-                          " tokens to rank ", error.where, where.str(), "; pass the counts get_dispatch_layout returned with it");
+        TORCH_CHECK_VALUE(false, "num_tokens_per_rank: entry ", error.where, " is ", error.value, " but is_token_in_rank sends ",
+                          error.slot, " tokens to rank ", error.where, where.str(),
+                          "; pass the counts get_dispatch_layout returned with it");
     if (error.code == intranode::kRowShapeMismatch) {
         static const char* const what[] = {"x: row bytes (hidden x element size)", "x_scales: row bytes", "topk_idx: top-k width"};
         TORCH_CHECK_VALUE(false, what[error.where], " must be the same on every rank: this rank has ", error.slot, ", rank ", error.rank,
@@ -178,11 +179,12 @@ using FreshDispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTen
 // made for it; if they do not fit even in some rank's empty pool, every rank returns the pool size the call needs
 // instead, so that the caller grows the pools together and calls again.
 FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
-                                    const OptTensor& topk_weights, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
-                                    const OptTensor& num_tokens_per_expert, int64_t num_experts, int64_t expert_alignment,
-                                    int64_t num_worst_tokens, int64_t num_sms, int64_t timeout_ns) {
+                                    const OptTensor& topk_weights, const at::Tensor& is_token_in_rank,
+                                    const at::Tensor& num_tokens_per_rank, const OptTensor& num_tokens_per_expert, int64_t num_experts,
+                                    int64_t expert_alignment, int64_t num_worst_tokens, int64_t num_sms, int64_t timeout_ns) {
     TORCH_CHECK(buffer.is_open(), "intranode_dispatch: peers are not mapped");
-    for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
+    for (const auto& [t, name] :
+         {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
         check_cuda(*t, name, buffer);
     TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
     if (scales) check_cuda(*scales, "scales", buffer);
@@ -328,8 +330,8 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     for (const auto* b : {&bias0, &bias1})
         if (b->has_value()) check_cuda(**b, "bias", buffer);
     const int capacity = intranode::combine_capacity(buffer.pool().capacity(), x_row, num_topk);
-    TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " returned rows of this shape, this combine needs ",
-                      sent_rows, "; create the Buffer with more num_nvl_bytes");
+    TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity,
+                      " returned rows of this shape, this combine needs ", sent_rows, "; create the Buffer with more num_nvl_bytes");
 
     // Room first (it may move earlier outputs, x among them, out of the pool): no data pointer is read before.
     RecvPool& pool = buffer.pool();
@@ -349,8 +351,9 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
 
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, &publish, stream);
     if (!pulled)
-        intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
-                                num_topk, count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
+        intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row,
+                                topk_weights ? topk_weights->data_ptr<float>() : nullptr, num_topk, count_matrix.data_ptr<int>(),
+                                static_cast<int>(num_sms), stream);
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, nullptr, stream);
 
     at::Tensor out = at::empty({num_tokens, hidden}, x.options());
@@ -413,8 +416,8 @@ void register_intranode(py::module_& m) {
           py::arg("num_local_experts"), py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("rows_out"),
           py::arg("num_sms"), py::arg("timeout_ns"), py::arg("fresh"), py::call_guard<py::gil_scoped_release>());
     m.def("intranode_combine", &combine, py::arg("buffer"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
-          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"), py::arg("num_sms"),
-          py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
+          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"),
+          py::arg("num_sms"), py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace ep

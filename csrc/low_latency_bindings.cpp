@@ -50,7 +50,8 @@ class LowLatencyBuffer {
     int max_blocks() const { return max_blocks_; }
 
     low_latency::Layout layout(int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
-        const auto L = low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
+        const auto L =
+            low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
         TORCH_CHECK_VALUE(2 * L.half_bytes <= num_bytes_, "num_rdma_bytes: these low-latency shapes need ", 2 * L.half_bytes,
                           " bytes, the buffer has ", num_bytes_);
         return L;
@@ -93,8 +94,9 @@ class LowLatencyBuffer {
         if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
         check_wait_stats(wait_stats, "dispatch_wait_recv_cost_stats");
         const auto L = layout(max_tokens, num_experts, hidden);
-        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(), recv_scales ? recv_scales->data_ptr() : nullptr,
-                                   src_info.data_ptr<int>(), layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
+        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(),
+                                   recv_scales ? recv_scales->data_ptr() : nullptr, src_info.data_ptr<int>(),
+                                   layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
                                    cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
                                    wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, stream());
     }
@@ -115,9 +117,10 @@ class LowLatencyBuffer {
         for (const auto* t : {&topk_idx, &topk_weights, &send_slot, &out}) check(*t, "combine input");
         check_wait_stats(wait_stats, "combine_wait_recv_cost_stats");
         const auto L = layout(max_tokens, num_experts, out.size(1));
-        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), send_slot.data_ptr<int>(),
-                                  static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
-                                  static_cast<int>(num_sms), wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, stream());
+        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
+                                  send_slot.data_ptr<int>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
+                                  out.data_ptr(), static_cast<int>(num_sms), wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr,
+                                  stream());
     }
 
     // The half's send area as the [E_local, R * T, H] bf16 combine input (zero-copy combine).
@@ -208,8 +211,9 @@ void register_low_latency(py::module_& m) {
         .def(
             "half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; },
             py::arg("max_tokens"), py::arg("num_experts"), py::arg("hidden"))
-        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::arg("half_index"), py::arg("x"), py::arg("topk_idx"), py::arg("max_tokens"),
-             py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::call_guard<py::gil_scoped_release>())
+        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::arg("half_index"), py::arg("x"), py::arg("topk_idx"),
+             py::arg("max_tokens"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"),
+             py::call_guard<py::gil_scoped_release>())
         .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"), py::arg("use_fp8"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
              py::arg("layout_range"), py::arg("recv_count"), py::arg("cumulative_stats"), py::arg("wait_stats"),

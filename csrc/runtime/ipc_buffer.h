@@ -1,8 +1,8 @@
 // One rank's CUDA-IPC buffer for the intranode kernels, and the mapping of every peer's buffer.
 //
 // Layout of each buffer: a signal area (intranode.cuh: barrier flags, counts, published offsets) followed by the data
-// area, the receive pool whose regions the dispatch outputs own and dispatch/combine write rows into. The barrier epoch lives in a separate, private device word so that kernels
-// (and CUDA-graph replays) advance it without the host.
+// area, the receive pool whose regions the dispatch outputs own and dispatch/combine write rows into. The barrier epoch lives in a
+// separate, private device word so that kernels (and CUDA-graph replays) advance it without the host.
 #pragma once
 
 #include <cstdint>
