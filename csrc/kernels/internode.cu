@@ -127,9 +127,9 @@ __global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, c
 // One warp per token with at least one remote destination node: stage the message once in this rank's symmetric
 // send area (puts need a registered source), then put it to the forwarder (same local index) of each remote node,
 // at the row given by the token's position among this rank's tokens for that node.
-__global__ void __launch_bounds__(kDataThreadsPerBlock) rdma_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales,
-                                                             const int64_t* topk_idx, const float* topk_weights, const int* send_pos,
-                                                             const int* rdma_send_pos, int num_tokens) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    rdma_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales, const int64_t* topk_idx, const float* topk_weights,
+                     const int* send_pos, const int* rdma_send_pos, int num_tokens) {
     const int lane = threadIdx.x % kWarpSize;
     const int N = c.num_nodes, R = c.num_ranks, T = L.max_tokens;
     bool did_put = false;
@@ -172,12 +172,11 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock) rdma_send_kernel(Layout 
 // One warp per (source, token) this rank forwards: its own tokens that touch its node, then the messages received
 // from each remote node's rank with the same local index. Each goes to its final row on every destination of this
 // node (direct stores), and the destination set is recorded for the combine.
-__global__ void __launch_bounds__(kDataThreadsPerBlock) forward_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales,
-                                                           const int64_t* topk_idx, const float* topk_weights, int num_local_experts,
-                                                           const int* send_pos, const int* rdma_send_pos, const int* count_matrix,
-                                                           const int* node_count, int num_tokens, int* fwd_pos, int fwd_stride,
-                                                           int recv_capacity, int64_t recv_x_off, int64_t recv_scales_off,
-                                                           int64_t recv_topk_off, int64_t recv_weights_off, int64_t recv_src_off) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    forward_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales, const int64_t* topk_idx, const float* topk_weights,
+                   int num_local_experts, const int* send_pos, const int* rdma_send_pos, const int* count_matrix, const int* node_count,
+                   int num_tokens, int* fwd_pos, int fwd_stride, int recv_capacity, int64_t recv_x_off, int64_t recv_scales_off,
+                   int64_t recv_topk_off, int64_t recv_weights_off, int64_t recv_src_off) {
     __shared__ int base[kMaxRanks];       // [n_s * P + j]: first row of source (n_s, my local index) on rank (my node, j)
     __shared__ int begin[kMaxRanks + 1];  // prefix over source nodes of the messages received (own node: 0)
     __shared__ int dst_local[kDataWarpsPerBlock][kMaxRanksPerNode];

@@ -546,7 +546,7 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
                   const int* count_matrix, int num_sms, cudaStream_t stream) {
     combine_send_kernel<<<num_sms, kDataThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
-                                                              topk_weights, num_topk, count_matrix);
+                                                                      topk_weights, num_topk, count_matrix);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
