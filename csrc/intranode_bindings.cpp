@@ -360,7 +360,8 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
     intranode::combine_reduce(buffer.peers(), buffer.local_data() + x_offset,
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
-                              buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+                              x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, buffer.rank(), R,
+                              count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
                               x.scalar_type() == at::kBFloat16 ? intranode::FloatType::kBFloat16 : intranode::FloatType::kFloat32,
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),

@@ -395,6 +395,7 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
     for (int row = blockIdx.x * kWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kWarpsPerBlock) {
         int src = 0;
         while (row >= row_begin[src + 1]) ++src;
+        if (src == rank) continue;  // this rank's own rows: its reduce reads them from x where they are
         const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
         if (back_row >= src_rows[src]) {
             if (lane == 0) {
@@ -411,13 +412,15 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, int rank,
+__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region,
+                                                                      const char* local_x, const float* local_weights, int rank,
                                                                       int num_ranks, const int* count_matrix, const bool* is_token_in_rank,
                                                                       const int* send_pos, int num_tokens, int hidden, const T* bias0,
                                                                       const T* bias1, T* out, float* out_weights, int num_topk) {
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
-    // at the rows d received from this rank), else in this rank's combine region, where d pushed them.
+    // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
+    // own rows are always read from its input (local_x), where they are.
     __shared__ const char* x_base[kMaxRanks];
     __shared__ const float* w_base[kMaxRanks];
     __shared__ const char* rows[kWarpsPerBlock][kMaxRanks];
@@ -427,7 +430,11 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peer
         int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
             const int64_t input = load_published(peers.base[d], kPubCombineInputX);
-            if (input >= 0) {
+            if (d == rank) {
+                const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
+                x_base[d] = local_x + first * row_bytes;
+                w_base[d] = local_weights == nullptr ? nullptr : local_weights + first * num_topk;
+            } else if (input >= 0) {
                 const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
                 const int64_t weights = load_published(peers.base[d], kPubCombineInputWeights);
                 x_base[d] = data_of(peers.base[d]) + input + first * row_bytes;
@@ -613,7 +620,8 @@ void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, in
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
+                    int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
                     const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
     if (num_tokens == 0) return;
@@ -621,12 +629,13 @@ void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_we
     if (type == FloatType::kBFloat16) {
         EP_HOST_ASSERT(hidden % Vec<__nv_bfloat16>::kElems == 0, "hidden=", hidden);
         combine_reduce_kernel<__nv_bfloat16><<<grid, kDataThreads, 0, stream>>>(
-            peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
+            peers, rows_x, rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
             static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), static_cast<__nv_bfloat16*>(out),
             out_weights, num_topk);
     } else {
         EP_HOST_ASSERT(hidden % Vec<float>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(peers, rows_x, rows_weights, static_cast<const char*>(local_x),
+                                                                        local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
                                                                         send_pos, num_tokens, hidden, static_cast<const float*>(bias0),
                                                                         static_cast<const float*>(bias1), static_cast<float*>(out),
                                                                         out_weights, num_topk);
