@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -151,8 +152,10 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
         if (spins % kSpinsPerCheck != 0) continue;
         const cudaError_t state = cudaStreamQuery(stream);
         if (state != cudaSuccess && state != cudaErrorNotReady) {
-            // A synchronizing call flushes the device's printf buffer: the kernel's own report (peer, stage) comes out.
+            // A synchronizing call flushes the device's printf buffer into stdout, and stdout is flushed (a pipe buffers,
+            // and a spawned rank may end with os._exit): the kernel's own report (peer, stage) comes out.
             cudaStreamSynchronize(stream);
+            std::fflush(stdout);
             TORCH_CHECK(false, "ep_dispatcher: rank ", buffer.rank(), ": the stream faulted while the host waited for the count exchange: ",
                         cudaGetErrorString(state), " (a kernel timeout prints the peer and stage it waited for)");
         }
