@@ -338,7 +338,9 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
 
     // Room first (it may move earlier outputs, x among them, out of the pool): no data pointer is read before.
     RecvPool& pool = buffer.pool();
-    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream);
+    // The input stays in the pool if other outputs can make the room: then it is read in place (pull), not pushed.
+    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream,
+                 {x.data_ptr(), topk_weights ? topk_weights->data_ptr() : nullptr});
     const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
     const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
     intranode::Published publish = nothing_published();
