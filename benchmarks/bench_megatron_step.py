@@ -28,8 +28,9 @@ same six stage methods, which ``MoELayer`` calls) is wrapped per instance (``Sta
 flex dispatcher's async work on its communication stream is joined to the current stream before the call returns).
 Backward: a tensor hook on the stage's first differentiable output records an event when its gradient arrives
 (the stage's backward starts), and a hook on its first differentiable input records one when the gradient w.r.t.
-that input is complete (the stage's backward ends); these inputs have one consumer each in the layer (no shared
-experts in this model), so the bracket holds that stage's backward and little else. On CPU the clock is
+that input is complete (the stage's backward ends; a stage that returns its input unchanged, such as permute and
+unpermute with our fused permute, has no backward and counts 0); these inputs have one consumer each in the layer
+(no shared experts in this model), so the bracket holds that stage's backward and little else. On CPU the clock is
 ``time.perf_counter`` instead of events. Per step the per-layer times are summed; the table takes, per step, the
 slowest rank, then the median over the timed steps. "moe" = dispatch + permute + unpermute + combine, forward +
 backward.
@@ -174,14 +175,25 @@ class StageTimer:
             grad_in = _first_grad_tensor(args)
             if grad_in is None:
                 grad_in = _first_grad_tensor(tuple(kwargs.values()))
+
+            def backward_ends(grad) -> None:
+                if call["bwd"][0] is not None:  # only once the stage's backward started (a hook returns None)
+                    call["bwd"][1] = self._stamp()
+
             if grad_in is not None:
-                grad_in.register_hook(lambda grad: call["bwd"].__setitem__(1, self._stamp()))
+                grad_in.register_hook(backward_ends)
             call["fwd"][0] = self._stamp()
             out = method(*args, **kwargs)
             call["fwd"][1] = self._stamp()
             grad_out = _first_grad_tensor(out)
-            if grad_out is not None:
-                grad_out.register_hook(lambda grad: call["bwd"].__setitem__(0, self._stamp()))
+            if grad_out is grad_in:  # the stage passes its input through (e.g. a fused permute): no backward
+                call["bwd"] = [None, None]
+            elif grad_out is not None:
+
+                def backward_starts(grad) -> None:
+                    call["bwd"][0] = self._stamp()
+
+                grad_out.register_hook(backward_starts)
             return out
 
         return timed

@@ -73,8 +73,10 @@ def test_bench_megatron_step_cpu(tmp_path):
         assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step", "moe_ms", "stages_ms"} <= set(row)
         assert row["median_step_ms"] > 0 and len(row["losses"]) == 3
         assert set(row["stages_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
-        for stage in row["stages_ms"].values():
-            assert stage["fwd"] > 0 and stage["bwd"] > 0  # every stage timed both ways
+        for label, stage in row["stages_ms"].items():
+            assert stage["fwd"] > 0 and stage["bwd"] >= 0, label  # every stage timed; identity stages: no backward
+            if label in ("dispatch", "combine"):
+                assert stage["bwd"] > 0, label
         assert 0 < row["moe_ms"] < row["median_step_ms"]
     ours, flex, allgather = (result["dispatchers"][n] for n in ("ours", "flex_switch", "allgather"))
     assert allgather["staged_calls_per_step"].get("all_gather_into_tensor", 0) > 0
