@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -150,8 +151,10 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
         if (spins % kSpinsPerCheck != 0) continue;
         const cudaError_t state = cudaStreamQuery(stream);
         if (state != cudaSuccess && state != cudaErrorNotReady) {
-            // A synchronizing call flushes the device's printf buffer: the kernel's own report (peer, stage) comes out.
+            // A synchronizing call flushes the device's printf buffer into stdout, and stdout is flushed (a pipe buffers,
+            // and a spawned rank may end with os._exit): the kernel's own report (peer, stage) comes out.
             cudaStreamSynchronize(stream);
+            std::fflush(stdout);
             TORCH_CHECK(false, "ep_dispatcher: rank ", buffer.rank(), ": the stream faulted while the host waited for the count exchange: ",
                         cudaGetErrorString(state), " (a kernel timeout prints the peer and stage it waited for)");
         }
@@ -335,7 +338,9 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
 
     // Room first (it may move earlier outputs, x among them, out of the pool): no data pointer is read before.
     RecvPool& pool = buffer.pool();
-    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream);
+    // The input stays in the pool if other outputs can make the room: then it is read in place (pull), not pushed.
+    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream,
+                 {x.data_ptr(), topk_weights ? topk_weights->data_ptr() : nullptr});
     const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
     const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
     intranode::Published publish = nothing_published();
@@ -361,7 +366,8 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
     intranode::combine_reduce(buffer.peers(), buffer.local_data() + x_offset,
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
-                              buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+                              x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, buffer.rank(), R,
+                              count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
                               float_type_of(x),
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),

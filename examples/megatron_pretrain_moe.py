@@ -49,7 +49,7 @@ def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
         ffn_hidden_size=2 * args.hidden,
         num_moe_experts=args.experts,
         moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.hidden,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn", None) or args.hidden,
         moe_token_dispatcher_type=dispatcher_type,
         **({"moe_flex_dispatcher_backend": "deepep"} if dispatcher_type == FLEX_SWITCH else {}),
         expert_model_parallel_size=args.ranks,
@@ -104,12 +104,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(args, dispatcher_type: str, rank: int, device: torch.device, step_times: list | None = None) -> list[float]:
+def train(
+    args,
+    dispatcher_type: str,
+    rank: int,
+    device: torch.device,
+    step_times: list | None = None,
+    on_model=None,
+    on_step=None,
+) -> list[float]:
     """Train ``args.steps`` steps; returns the global mean loss per step. With ``step_times``, appends each step's
-    wall time in seconds (forward, backward, gradient all-reduce, Adam; the device synchronised at both ends)."""
+    wall time in seconds (forward, backward, gradient all-reduce, Adam; the device synchronised at both ends).
+    ``on_model(model)`` runs once after the model is built (benchmarks wrap its token dispatchers there);
+    ``on_step(step)`` after each step, once the device is synchronised."""
     from megatron.core import parallel_state
 
     model = build_model(args, dispatcher_type, parallel_state.get_expert_model_parallel_rank(), device)
+    if on_model is not None:
+        on_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     position_ids = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
     attention_mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, device=device, dtype=torch.bool), diagonal=1)
@@ -128,6 +140,8 @@ def train(args, dispatcher_type: str, rank: int, device: torch.device, step_time
         _sync(device)
         if step_times is not None:
             step_times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(step)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / dist.get_world_size())

@@ -43,7 +43,12 @@ def test_bench_dbo_cpu(tmp_path):
     assert set(result["per_tokens"]) == {"8", "16"}
     for row in result["per_tokens"].values():
         assert set(row) == {
-            "plain_ms", "overlap_ms", "plain_tokens_per_s", "overlap_tokens_per_s", "speedup", "max_diff"
+            "plain_ms",
+            "overlap_ms",
+            "plain_tokens_per_s",
+            "overlap_tokens_per_s",
+            "speedup",
+            "max_diff",
         }
         assert row["plain_ms"] > 0 and row["overlap_ms"] > 0
         assert row["max_diff"] == 0.0  # same math per token in both paths: bit-identical
@@ -52,22 +57,72 @@ def test_bench_dbo_cpu(tmp_path):
 
 @pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
 def test_bench_megatron_step_cpu(tmp_path):
-    # --host-staging always: the shim that the one-GPU run needs for the allgather baseline also runs here on CPU.
+    """Rows ours, flex_switch and allgather, each in its own processes, merged into one JSON with the per-stage
+    breakdown. --host-staging always: the shim that the one-GPU run needs for the allgather baseline runs here too."""
     result = _run_bench(
         "bench_megatron_step.py",
         str(tmp_path / "megatron.json"),
         *("--steps", "2", "--warmup", "1", "--layers", "1", "--hidden", "32", "--heads", "4"),
-        *("--experts", "4", "--topk", "2", "--seq", "16", "--tokens", "32", "--vocab", "64"),
-        *("--host-staging", "always"),
+        *("--experts", "4", "--topk", "2", "--seq", "16", "--tokens", "32", "--vocab", "64", "--moe-ffn", "48"),
+        *("--host-staging", "always", "--rows", "ours,flex_switch,allgather"),
     )
     assert result["process_group"] == "gloo" and result["devices"] == ["cpu"] and result["host_staging"] is True
-    assert set(result["dispatchers"]) == {"deepep", "allgather"}
+    assert result["rows"] == ["ours", "flex_switch", "allgather"] and result["errors"] == []
+    assert set(result["dispatchers"]) == {"ours", "flex_switch", "allgather"}
     for row in result["dispatchers"].values():
-        assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step"} <= set(row)
+        assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step", "moe_ms", "stages_ms"} <= set(row)
         assert row["median_step_ms"] > 0 and len(row["losses"]) == 3
-    assert result["dispatchers"]["allgather"]["staged_calls_per_step"].get("all_gather_into_tensor", 0) > 0
-    assert result["dispatchers"]["allgather"]["staged_calls_per_step"].get("reduce_scatter_tensor", 0) > 0
-    assert result["dispatchers"]["deepep"]["staged_calls_per_step"] == {}  # ep_dispatcher stages by itself
-    assert len(result["loss_diff_per_step"]) == 3
+        assert set(row["stages_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
+        for label, stage in row["stages_ms"].items():
+            assert stage["fwd"] > 0 and stage["bwd"] >= 0, label  # every stage timed; identity stages: no backward
+            if label in ("dispatch", "combine"):
+                assert stage["bwd"] > 0, label
+        assert 0 < row["moe_ms"] < row["median_step_ms"]
+    ours, flex, allgather = (result["dispatchers"][n] for n in ("ours", "flex_switch", "allgather"))
+    assert allgather["staged_calls_per_step"].get("all_gather_into_tensor", 0) > 0
+    assert allgather["staged_calls_per_step"].get("reduce_scatter_tensor", 0) > 0
+    assert ours["staged_calls_per_step"] == {} and flex["staged_calls_per_step"] == {}  # they stage by themselves
+    assert flex["buffer"]["buffer_type"] == "ep_dispatcher.buffer.Buffer"  # the switch made Megatron use ours
+    assert flex["deep_ep"].endswith(os.path.join("ep_dispatcher", "__init__.py"))
+    assert ours["buffer"]["backend"] == "reference"
+    assert len(flex["loss_diff_per_step"]) == 3 and set(result["ratios_vs_reference"]) == {"flex_switch", "allgather"}
+    assert result["loss_reference"] == "ours"
     assert result["tolerance"] == 1e-5  # fp32: the example's tolerance (summation order only)
     assert result["max_loss_diff"] <= result["tolerance"] and result["ok"] is True
+
+
+@pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
+def test_bench_megatron_step_rejects_bad_rows(tmp_path):
+    """flex_deepep (real DeepEP) needs a GPU; unknown or repeated row names are refused before anything runs."""
+    script = os.path.join(REPO, "benchmarks", "bench_megatron_step.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for rows, message in (
+        ("ours,flex_deepep", "real DeepEP runs on GPUs only"),
+        ("ours,nope", "expected distinct names"),
+        ("ours,ours", "expected distinct names"),
+    ):
+        done = subprocess.run(
+            [sys.executable, script, "--device", "cpu", "--rows", rows],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            cwd=REPO,
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
+def test_bench_megatron_step_flex_deepep_row_needs_real_deep_ep(tmp_path):
+    """The flex_deepep row refuses to run when megatron-core cannot import a real deep_ep (here: none on the path),
+    naming the build command, instead of timing something else."""
+    script = os.path.join(REPO, "benchmarks", "bench_megatron_step.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, script, "--device", "cpu", "--ranks", "2", "--steps", "1", "--warmup", "0"]
+    command += ["--layers", "1", "--hidden", "32", "--heads", "4", "--experts", "4", "--seq", "16", "--tokens", "16"]
+    command += ["--vocab", "64", "--row-worker", "flex_deepep", "--raw-out", str(tmp_path / "raw.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=env, check=False)
+    assert done.returncode != 0
+    assert "could not import deep_ep" in done.stdout + done.stderr
+    assert not (tmp_path / "raw.json").exists()

@@ -371,6 +371,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
         int src = 0;
         while (row >= row_begin[src + 1]) ++src;
+        if (src == rank) continue;  // this rank's own rows: its reduce reads them from x where they are
         const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
         if (back_row >= src_rows[src]) {
             if (lane == 0) {
@@ -389,12 +390,13 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
 
 template <typename T>
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
-    combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, int rank, int num_ranks, const int* count_matrix,
-                          const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, const T* bias0, const T* bias1,
-                          T* out, float* out_weights, int num_topk) {
+    combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, const char* local_x, const float* local_weights,
+                          int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos,
+                          int num_tokens, int hidden, const T* bias0, const T* bias1, T* out, float* out_weights, int num_topk) {
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
-    // at the rows d received from this rank), else in this rank's combine region, where d pushed them.
+    // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
+    // own rows are always read from its input (local_x), where they are.
     __shared__ const char* x_base[kMaxRanks];
     __shared__ const float* w_base[kMaxRanks];
     __shared__ const char* rows[kDataWarpsPerBlock][kMaxRanks];
@@ -404,7 +406,11 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
             const int64_t input = load_published(peers.base[d], kPubCombineInputX);
-            if (input >= 0) {
+            if (d == rank) {
+                const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
+                x_base[d] = local_x + first * row_bytes;
+                w_base[d] = local_weights == nullptr ? nullptr : local_weights + first * num_topk;
+            } else if (input >= 0) {
                 const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
                 const int64_t weights = load_published(peers.base[d], kPubCombineInputWeights);
                 x_base[d] = data_of(peers.base[d]) + input + first * row_bytes;
@@ -550,18 +556,19 @@ void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, in
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
-                    const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
-                    const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
+                    int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos, int num_tokens,
+                    int hidden, FloatType type, const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk,
+                    int num_sms, cudaStream_t stream) {
     if (num_tokens == 0) return;
     const int grid = data_grid(num_sms, num_tokens);
     with_float_type(type, [&](auto element) {
         using T = decltype(element);
         EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(peers, rows_x, rows_weights, rank, num_ranks, count_matrix,
-                                                                            is_token_in_rank, send_pos, num_tokens, hidden,
-                                                                            static_cast<const T*>(bias0), static_cast<const T*>(bias1),
-                                                                            static_cast<T*>(out), out_weights, num_topk);
+        combine_reduce_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(
+            peers, rows_x, rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+            send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out), out_weights,
+            num_topk);
     });
     EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -178,15 +178,18 @@ void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_
 void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx, int64_t* recv_topk_idx,
                   float* recv_topk_weights, int num_topk, cudaStream_t stream);
 
-// Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from.
+// Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from
+// (except this rank's own rows, which its reduce reads in place).
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
                   int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
 
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
 // rows_x / rows_weights: this rank's combine region (where peers that did not publish their input pushed the rows);
-// rows of peers that published their combine input are read (pulled) straight from it.
-void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
+// rows of peers that published their combine input are read (pulled) straight from it, and this rank's own rows from
+// its input local_x / local_weights (combine_send skips them).
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
+                    int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,
                     const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk, int num_sms,
                     cudaStream_t stream);

@@ -77,9 +77,11 @@ void RecvPool::settle_locked(cudaStream_t stream) {
     pending_.clear();
 }
 
-bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock) {
+bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock, const std::vector<const void*>& keep) {
     for (auto it = live_.begin(); it != live_.end(); ++it) {
         if (!it->evictable || !it->storage) continue;
+        const char *begin = base_ + it->offset, *end = begin + it->bytes;
+        if (std::any_of(keep.begin(), keep.end(), [&](const void* p) { return p >= begin && p < end; })) continue;
         c10::intrusive_ptr<c10::StorageImpl> storage = it->storage->lock();
         if (!storage) continue;  // its tensor is being freed right now; the deleter gives the region back
         const int64_t offset = it->offset, bytes = it->bytes;
@@ -99,7 +101,8 @@ bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mu
 }
 
 // Evicts the oldest outputs until a free region of `bytes` exists. Not strict: stops when nothing is left to evict.
-void RecvPool::make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_lock<std::mutex>& lock, bool strict) {
+void RecvPool::make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_lock<std::mutex>& lock, bool strict,
+                                const std::vector<const void*>& keep) {
     const bool graph = capturing(stream);
     TORCH_CHECK_VALUE(!strict || bytes <= bytes_, "num_nvl_bytes: this call needs ", bytes, " bytes of the receive pool, which holds ",
                       bytes_, "; create the Buffer with more num_nvl_bytes");
@@ -110,7 +113,7 @@ void RecvPool::make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_
             TORCH_CHECK(false, "num_nvl_bytes: the receive pool has no room for this call while a CUDA graph is captured (", bytes,
                         " bytes needed); free earlier outputs or capture with a larger num_nvl_bytes");
         }
-        if (!evict_oldest_locked(stream, lock)) {
+        if (!evict_oldest_locked(stream, lock, keep) && !evict_oldest_locked(stream, lock)) {
             if (!strict) return;
             TORCH_CHECK_VALUE(false, "num_nvl_bytes: outputs of captured CUDA graphs hold the receive pool (", bytes, " bytes needed of ",
                               bytes_, "); create the Buffer with more num_nvl_bytes");
@@ -119,9 +122,9 @@ void RecvPool::make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_
     }
 }
 
-void RecvPool::reserve(int64_t total_bytes, cudaStream_t stream) {
+void RecvPool::reserve(int64_t total_bytes, cudaStream_t stream, const std::vector<const void*>& keep) {
     std::unique_lock<std::mutex> lock(mutex_);
-    make_room_locked(total_bytes, stream, lock, true);
+    make_room_locked(total_bytes, stream, lock, true, keep);
 }
 
 at::Tensor RecvPool::own_locked(int64_t offset, int64_t bytes, at::IntArrayRef sizes, at::ScalarType dtype, bool graph) {

@@ -4,7 +4,9 @@
 # Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
 #   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
 #   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
-#   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin.
+#   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin;
+#   megatron_rows (issue 21) times rows (a) our plugin, (b) Megatron's flex dispatcher on REAL DeepEP v1.2.1 (built
+#   in .deepep/DeepEP if needed: carry .deepep) and (c) the flex dispatcher on the switch, at 2 and 4 ranks.
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
@@ -66,6 +68,28 @@ megatron_flex() {  # issue 20: Megatron's own flex dispatcher on ep_dispatcher v
         --experts 16 --topk 4 --seq 1024 --tokens 2048 --dtype bf16 --steps 5 --warmup 2 --flex-switch \
         --out "$OUT/bench_megatron_flex.json"
 }
+# Real DeepEP v1.2.1 for row (b), built in place once per machine (as .deepep/run_side_by_side.sh does).
+build_deepep() {
+    local dd=.deepep/DeepEP
+    if [ ! -d "$dd" ]; then
+        echo "build_deepep: $dd is missing: run shared/anchor/prepare_deepep.sh and carry .deepep"; return 1
+    fi
+    ls $dd/deep_ep_cpp*.so >/dev/null 2>&1 && return 0
+    (cd $dd && DEEPEP_FORCE_NO_NVSHMEM=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$MAX_JOBS \
+        python3 setup.py build_ext --inplace > "$OUT/build_deepep.log" 2>&1) || { tail -30 "$OUT/build_deepep.log"; return 1; }
+}
+# Issue 21: the three rows in one call, same model/weights/data, each row in its own processes (the benchmark
+# spawns them one after another). Shape (MoE-dominated, fine-grained experts): 1 layer, hidden 4096, 32 heads,
+# 64 experts of FFN 1024, top-8, 4096 tokens/rank (seq 1024 x 4), bf16. EP_MEGATRON_RANKS="2 4" by default.
+megatron_rows() {
+    build_deepep || { rc=1; return; }
+    for r in ${EP_MEGATRON_RANKS:-2 4}; do
+        bench 280 benchmarks/bench_megatron_step.py --device cuda --ranks "$r" --rows ours,flex_deepep,flex_switch \
+            --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 \
+            --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --steps ${EP_MEGATRON_STEPS:-8} --warmup 3 --row-timeout 90 \
+            --out "$OUT/bench_megatron_rows_$r.json"
+    done
+}
 internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then as 4 nodes x 2
     for p in ${EP_INTERNODE_PER_NODE:-4 2}; do
         bench 240 benchmarks/bench_internode.py --ranks 8 --ranks-per-node "$p" --num-sms 16 --sweep 4096 --calls 5 --groups 3 \
@@ -97,7 +121,7 @@ for phase in $PHASES; do
         bash tests/gpu/deepep_tests/run_deepep_tests.sh || rc=1
         ;;
     bench) for sub in ll_bench intranode_bench dbo_bench megatron_bench; do "$sub"; done ;;
-    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench|megatron_flex) "$phase" ;;
+    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench|megatron_flex|megatron_rows) "$phase" ;;
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
         gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
