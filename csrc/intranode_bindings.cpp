@@ -248,7 +248,7 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     const int tag = buffer.next_report_tag();
     intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(),
                       num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
-                      static_cast<int>(expert_alignment), block, block_bytes, worst ? num_worst_tokens : -1, x_row, scale_row, num_topk,
+                      static_cast<int>(expert_alignment), pool.capacity(), block, block_bytes, worst ? num_worst_tokens : -1, x_row, scale_row, num_topk,
                       count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
                       recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, plan, go, buffer.report_on_device(), tag, timeout_ns,
                       stream);
@@ -298,12 +298,15 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
         return {out.x, out.scales, out.topk, out.weights, out.src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
                 count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent, 0};
     }
-    // Some receiver's block was too small: nothing moved. Every rank sees the same counts, so all take the same branch.
+    // Some receiver's block was too small: nothing moved. Every rank sees the same counts and the same smallest pool of
+    // the group, so all take the same branch. A pool that cannot hold two such calls' outputs grows (to twice this
+    // call's, collectively): a loop that keeps its last outputs alive would otherwise evict them on every call.
     pool.end_block(0);
     ++buffer.dispatch_reruns;
-    if (most > intranode::dispatch_capacity(pool.capacity(), x_row, scale_row, num_topk))
+    const int64_t needed = intranode::dispatch_bytes(most, x_row, scale_row, num_topk, true);
+    if (2 * needed > report.min_pool_bytes)
         return {x, std::nullopt, std::nullopt, std::nullopt, send_pos, send_pos, count_matrix, rank_prefix_matrix, std::nullopt,
-                std::nullopt, {}, -1, 0, 0, intranode::dispatch_bytes(most, x_row, scale_row, num_topk, true)};
+                std::nullopt, {}, -1, 0, 0, needed};
     auto [recv_x, recv_scales, recv_topk, recv_weights, recv_src] =
         dispatch(buffer, x, scales, topk_idx, topk_weights, num_local_experts, is_token_in_rank, send_pos, count_matrix, rows_out, num_sms,
                  timeout_ns, true);

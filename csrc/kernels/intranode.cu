@@ -93,8 +93,8 @@ __host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_
 }
 
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t block_offset,
-                              int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk,
+                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
+                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk,
                               int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go,
                               CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
@@ -114,6 +114,7 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         published[kPubBlockBytes] = block_bytes;
         published[kPubBlockRows] = block_rows;
         published[kPubRowShape] = row_shape;
+        published[kPubPoolBytes] = pool_bytes;
         all_fit = 1;
     }
     __syncthreads();
@@ -182,8 +183,11 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         }
         if (go != nullptr) *go = all_fit && found.code == kInputOk ? 1 : 0;
         if (report != nullptr) {
+            long long min_pool = pool_bytes;
+            for (int r = 0; r < num_ranks; ++r) min_pool = min(min_pool, static_cast<long long>(load_published(peers.base[r], kPubPoolBytes)));
             report->error = found;
             report->fits = all_fit;
+            report->min_pool_bytes = min_pool;
             __threadfence_system();  // the report's contents before its tag
             *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
         }
@@ -494,15 +498,16 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 }
 
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes,
-            int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
+            int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
+            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
             int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
     EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
                    scale_row_bytes, "/", num_topk, " does not pack");
     notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, block_offset, block_bytes, block_rows, x_row_bytes,
+                                                         num_experts, expert_alignment, pool_bytes, block_offset, block_bytes, block_rows,
+                                                         x_row_bytes,
                                                          scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
                                                          go, report, report_tag, timeout_ns);
     EP_CUDA_CHECK(cudaGetLastError());

@@ -67,6 +67,7 @@ enum PublishedField : int {
     kPubBlockBytes,
     kPubBlockRows,  // num_worst_tokens, or -1: the rows the counts give
     kPubRowShape,   // x row bytes, scale row bytes and top-k width, packed (every rank must send the same rows)
+    kPubPoolBytes,  // the rank's receive-pool size: growth is decided on the group's smallest, so all ranks agree
     kNumPublished
 };
 struct Published {
@@ -106,6 +107,7 @@ struct CountReport {
     int tag;
     InputError error;  // the lowest rank's error, code kInputOk if none
     int fits;          // 1: every receiver's rows fit in the block it published (the data kernel ran), else 0
+    long long min_pool_bytes;  // the smallest receive pool of the group
     int count_matrix[kMaxRanks * kMaxRanks];
     int recv_per_expert[kMaxExperts];
 };
@@ -144,8 +146,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
                     cudaStream_t stream);
 
-// The fresh dispatch's count exchange. Writes this rank's counts and its receive block (offset, bytes, fixed rows or
-// -1, row shape) into its own signal area, waits for all ranks, reads everyone's counts:
+// The fresh dispatch's count exchange. Writes this rank's counts, its pool size and its receive block (offset, bytes,
+// fixed rows or -1, row shape) into its own signal area, waits for all ranks, reads everyone's counts:
 // count_matrix[s * num_ranks + d] = tokens rank s sends to rank d; rank_prefix_matrix[s][d] = sum over s' <= s;
 // recv_per_expert[e] = tokens this rank receives for local expert e, rounded up to expert_alignment (skipped when
 // num_tokens_per_expert is null). For every receiver it lays out the outputs in that receiver's block (`plan`) and
@@ -154,8 +156,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 // the lowest rank's input error and `fits`, then `report_tag`. No closing barrier: peers read the counts, blocks
 // and errors of this call before they reach the dispatch's data barrier, and nobody rewrites them before that.
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t block_offset, int64_t block_bytes,
-            int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix,
+            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset,
+            int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix,
             int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns,
             cudaStream_t stream);
 

@@ -330,7 +330,8 @@ def _rerun_worker(rank: int, world: int) -> int:
     hidden, n = 512, 64
     # Token t goes to rank t % world only (no top-k): every rank receives exactly num_tokens rows, in source order.
     row_bytes = hidden * 2 + 4
-    pool_bytes = int(1.6 * 4 * n * row_bytes) + (1 << 16)  # one big call's outputs and a bit more
+    # Twice one big call's outputs and a bit (a smaller pool would grow instead: see the end of this test).
+    pool_bytes = int(2.1 * 4 * n * row_bytes) + (1 << 16)
     cuda = Buffer(None, num_nvl_bytes=pool_bytes, backend="cuda", timeout_s=60)
     cuda._backend.ipc.poison_receive_pool(True)
 
@@ -348,14 +349,25 @@ def _rerun_worker(rank: int, world: int) -> int:
         assert torch.equal(recv_x, expected), f"{num_tokens} tokens: received rows"
         return x, recv_x, handle, expected
 
-    _, big, _, big_expected = call(4 * n, 900)  # fills most of the pool
+    _, big, _, big_expected = call(4 * n, 900)  # about half the pool
     _, small, _, small_expected = call(n, 910)  # after it
     before = cuda._backend.ipc.dispatch_reruns
     x2, big2, handle2, big2_expected = call(4 * n, 920)  # the free region left is too small: it runs again
     reruns = cuda._backend.ipc.dispatch_reruns - before
+    assert cuda._backend.ipc.data_bytes == pool_bytes, "the pool holds two such calls: it must not grow"
     combined, _, _ = cuda.combine(big2, handle2, config=config)
     assert torch.equal(combined, x2), "combine of the rerun call's rows"
-    for name, a, a0 in (("big", big, big_expected), ("small", small, small_expected), ("big2", big2, big2_expected)):
+    # A call that needs more than half the pool while earlier outputs hold it: the pool grows (twice the call) instead
+    # of evicting on every call of a loop that keeps its last outputs alive.
+    del combined, handle2
+    x3, huge, _, huge_expected = call(6 * n, 930)
+    assert cuda._backend.ipc.data_bytes > pool_bytes, "a pool below twice the call's outputs grows"
+    for name, a, a0 in (
+        ("big", big, big_expected),
+        ("small", small, small_expected),
+        ("big2", big2, big2_expected),
+        ("huge", huge, huge_expected),
+    ):
         assert torch.equal(a, a0), f"{name} changed"
     torch.cuda.synchronize()
     cuda.destroy()
