@@ -248,8 +248,8 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     const int tag = buffer.next_report_tag();
     intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(),
                       num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
-                      static_cast<int>(expert_alignment), pool.capacity(), block, block_bytes, worst ? num_worst_tokens : -1, x_row, scale_row, num_topk,
-                      count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
+                      static_cast<int>(expert_alignment), pool.capacity(), block, block_bytes, worst ? num_worst_tokens : -1, x_row,
+                      scale_row, num_topk, count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
                       recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, plan, go, buffer.report_on_device(), tag, timeout_ns,
                       stream);
     intranode::dispatch(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,

@@ -94,8 +94,8 @@ __host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_
 
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
                               const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
-                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk,
-                              int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go,
+                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
+                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go,
                               CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
@@ -184,7 +184,8 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         if (go != nullptr) *go = all_fit && found.code == kInputOk ? 1 : 0;
         if (report != nullptr) {
             long long min_pool = pool_bytes;
-            for (int r = 0; r < num_ranks; ++r) min_pool = min(min_pool, static_cast<long long>(load_published(peers.base[r], kPubPoolBytes)));
+            for (int r = 0; r < num_ranks; ++r)
+                min_pool = min(min_pool, static_cast<long long>(load_published(peers.base[r], kPubPoolBytes)));
             report->error = found;
             report->fits = all_fit;
             report->min_pool_bytes = min_pool;
@@ -499,8 +500,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
             int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
-            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
-            int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
+            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert,
+            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
     EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
