@@ -95,8 +95,8 @@ __host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
                               const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
                               int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
-                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go,
-                              CountReport* report, int report_tag, int64_t timeout_ns) {
+                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
+                              int* go, CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
     char* mine = peers.base[rank];

@@ -158,8 +158,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
             const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset,
             int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix,
-            int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns,
-            cudaStream_t stream);
+            int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag,
+            int64_t timeout_ns, cudaStream_t stream);
 
 // Timed barrier over all ranks (one block). With `publish`, this rank's offsets go to its signal area first. With
 // `clear_input_error`, this rank's recorded input error is cleared after it (every peer has read it by then).
