@@ -160,6 +160,7 @@ class Buffer:
         self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
         self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
         self._ll_sized_shapes: set = set()  # shapes _check_low_latency has found the buffer large enough for
+        self._ll_unreceived: list = []  # low-latency handles whose dispatch's receive phase (hook) has not run
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -558,7 +559,6 @@ class Buffer:
             ),
         )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
-        new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
     # DeepEP's internode_dispatch takes dispatch's arguments in this order, without num_worst_tokens.
@@ -844,11 +844,13 @@ class Buffer:
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
-        handle.received = not return_recv_hook  # combine refuses a handle whose receive phase has not run
+        if return_recv_hook:
+            self._ll_unreceived.append(handle)  # combine refuses a handle whose receive phase has not run
 
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
-            handle.received = True
+            if return_recv_hook:
+                self._ll_unreceived.remove(handle)
 
         hook = self._make_hook(finish, return_recv_hook, half)
         self._raise_low_latency_error(pending_hook=hook)
@@ -909,7 +911,7 @@ class Buffer:
         expected_shape = (num_local_experts, num_slots, handle.hidden)
         check_tensor("x", x, dtypes=torch.bfloat16, shape=expected_shape, contiguous=not zero_copy)
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        if not handle.received:
+        if any(pending is handle for pending in self._ll_unreceived):
             raise RuntimeError(
                 "handle: the receive hook of the low_latency_dispatch that made it has not run; call that hook() "
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
