@@ -20,6 +20,7 @@ from . import settings
 from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
+from .streams import CommStream, check_event
 from .validation import (
     check_int,
     check_tensor,
@@ -153,7 +154,7 @@ class Buffer:
 
             self._backend = ReferenceBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
         self.buffer_id = next(_buffer_ids)
-        self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._comm = CommStream()  # the communication stream, created on first use
         self._local_buffers: dict = {}  # get_local_buffer_tensor's scratch tensors, by which size they mirror
         self._destroyed = False
         self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
@@ -235,9 +236,7 @@ class Buffer:
         """The stream this buffer runs its calls on (created on first use; high priority). ``None`` without CUDA."""
         if not torch.cuda.is_available():
             return None
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device(), priority=-1)
-        return self._comm_stream
+        return self._comm.get(torch.cuda.current_device())
 
     def get_local_buffer_tensor(
         self,
@@ -327,13 +326,7 @@ class Buffer:
         return handle
 
     def _check_event(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError(
-                "allocate_on_comm_stream: needs previous_event and async_finish=True (the outputs then "
-                "belong to the communication stream until the returned event is waited on)"
-            )
+        check_event(previous_event, async_finish, allocate_on_comm_stream)
 
     def _run(
         self,
@@ -344,41 +337,9 @@ class Buffer:
         inputs: Sequence,
         call: Callable,
     ):
-        """Run ``call`` on the communication stream after ``previous_event`` (or the current stream); a call with
-        neither ``previous_event`` nor ``async_finish`` runs on the current stream itself (same order, less work).
-
-        Returns ``(result, EventOverlap)``. On CPU the call is synchronous and the event empty.
-        """
+        """``call`` on the right stream (``streams.CommStream.run``); returns ``(result, EventOverlap)``."""
         self._check_alive()
-        if device.type != "cuda":
-            return call(), EventOverlap()
-        if previous_event is None and not async_finish:
-            # The caller waits for the result anyway: on the current stream the call is ordered exactly as it would
-            # be through the communication stream, without the stream switch and the two cross-stream waits.
-            return call(), EventOverlap()
-        compute = torch.cuda.current_stream(device)
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=device, priority=-1)  # high priority: comm gates compute
-        comm = self._comm_stream
-        if previous_event is not None and previous_event.cuda_event is not None:
-            comm.wait_event(previous_event.cuda_event)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            result = call()
-        outputs = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
-        if not allocate_on_comm_stream:
-            for t in outputs:
-                t.record_stream(compute)  # outputs are used (and freed) on the compute stream
-        if async_finish:
-            for t in _flatten(inputs):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(comm)  # inputs stay allocated until the comm stream is done reading them
-            event = torch.cuda.Event()
-            event.record(comm)
-            return result, EventOverlap(event, [t for t in _flatten(inputs) if isinstance(t, torch.Tensor)] + outputs)
-        compute.wait_stream(comm)
-        return result, EventOverlap()
+        return self._comm.run(device, previous_event, async_finish, allocate_on_comm_stream, inputs, call)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(
@@ -963,12 +924,3 @@ class Buffer:
         if clean is not None:
             clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-
-def _flatten(obj):
-    if isinstance(obj, (DispatchHandle, LowLatencyHandle)):
-        return  # handles are tuples too; their tensors are the backend's, not this call's outputs
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _flatten(item)
-    else:
-        yield obj
