@@ -17,16 +17,15 @@ import torch.distributed as dist
 
 from . import config as _config
 from . import settings
-from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
+from .config import NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
+from .low_latency_state import LowLatencyCalls, allocate_dispatch_outputs
 from .streams import CommStream, check_event
 from .validation import (
     check_int,
     check_tensor,
     check_topk_idx_range,
-    is_capturing,
-    low_latency_topk_error,
     payload_for_backend,
     split_fp8,
 )
@@ -157,11 +156,7 @@ class Buffer:
         self._comm = CommStream()  # the communication stream, created on first use
         self._local_buffers: dict = {}  # get_local_buffer_tensor's scratch tensors, by which size they mirror
         self._destroyed = False
-        self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
-        self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
-        self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
-        self._ll_sized_shapes: set = set()  # shapes _check_low_latency has found the buffer large enough for
-        self._ll_unreceived: list = []  # low-latency handles whose dispatch's receive phase (hook) has not run
+        self._ll = LowLatencyCalls(self._backend, self.clean_low_latency_buffer)  # halves, hooks, shape, receipts
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -608,7 +603,7 @@ class Buffer:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency calls need Buffer(..., low_latency_mode=True, num_rdma_bytes=...)")
         shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if shape in self._ll_sized_shapes:  # checked before: the size hint is Python arithmetic worth skipping per call
+        if shape in self._ll.sized_shapes:  # checked before: the size hint is Python arithmetic worth skipping per call
             return
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
@@ -624,82 +619,12 @@ class Buffer:
                 f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
                 f"with num_rdma_bytes={self.num_rdma_bytes}"
             )
-        self._ll_sized_shapes.add(shape)
-
-    def _raise_low_latency_error(self, pending_hook: Optional[Callable[[], None]] = None) -> None:
-        """Raise the ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel has reported, if any.
-
-        The record sits in host-mapped memory, so reading it costs no sync; it is read after each low-latency launch
-        and in each hook. The call that raises has launched all its kernels, and ``pending_hook`` (its own receive
-        phase) is run first, so the peers' kernels never wait for this rank: the ranks stay in step.
-        """
-        take = getattr(self._backend, "take_low_latency_error", None)
-        found = take() if take is not None else None
-        if found is None:
-            return
-        if pending_hook is not None:
-            pending_hook()
-        num_experts = self._ll_shape[2] if self._ll_shape is not None else 0
-        raise low_latency_topk_error(*found, num_experts=num_experts)
-
-    def _enter_low_latency_shape(self, shape: tuple) -> None:
-        # The buffer is laid out per (max_tokens, hidden, num_experts), signals at shape-dependent offsets: a call of
-        # another shape than the last first cleans it (collective: every rank makes the same calls), so bytes of the
-        # old layout cannot pass for a signal. That erases what a pending hook is still to receive, and is a host
-        # sync, which a CUDA graph cannot hold.
-        if self._ll_shape is None or shape == self._ll_shape:
-            self._ll_shape = shape
-            return
-        if self.num_pending_low_latency_hooks:
-            raise RuntimeError(
-                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) = {shape} differs from "
-                f"the previous call's {self._ll_shape} while {self.num_pending_low_latency_hooks} hook(s) have not "
-                "run; run the pending hooks before changing the shape"
-            )
-        if is_capturing():
-            raise RuntimeError(
-                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed from "
-                f"{self._ll_shape} to {shape} during CUDA-graph capture; the buffer must be cleaned (a host sync) "
-                "first: make one eager call of the new shape before capturing"
-            )
-        self.clean_low_latency_buffer(*shape)
+        self._ll.sized_shapes.add(shape)
 
     @property
     def num_pending_low_latency_hooks(self) -> int:
         """Low-latency calls whose hook has not run yet (at most ``NUM_LOW_LATENCY_BUFFERS``)."""
-        return sum(self._ll_half_pending)
-
-    def _take_low_latency_half(self) -> int:
-        # Halves are handed out in turn, so the half a new call gets is the one of the call two before it: if that
-        # call's hook has not run, its unread data would be overwritten (also when a newer hook already ran).
-        half = self._ll_half
-        if self._ll_half_pending[half]:
-            raise RuntimeError(
-                f"low-latency call: buffer half {half} still holds an earlier call whose hook has not run "
-                f"({self.num_pending_low_latency_hooks} pending); only {NUM_LOW_LATENCY_BUFFERS} calls can "
-                "be in flight (the buffer is double-buffered) and they complete oldest first: call the "
-                "oldest pending hook first"
-            )
-        self._ll_half = (half + 1) % NUM_LOW_LATENCY_BUFFERS
-        return half
-
-    def _make_hook(self, receive: Callable[[], None], return_recv_hook: bool, half: int):
-        if not return_recv_hook:
-            receive()
-            return None
-        self._ll_half_pending[half] = True
-        state = {"called": False}
-
-        def hook() -> None:
-            """Run the receive phase of the low-latency call that returned this hook (exactly once)."""
-            if state["called"]:
-                raise RuntimeError("hook: already called; each low-latency hook runs its receive phase exactly once")
-            state["called"] = True
-            self._ll_half_pending[half] = False
-            receive()
-            self._raise_low_latency_error()
-
-        return hook
+        return self._ll.num_pending
 
     def low_latency_dispatch(
         self,
@@ -771,25 +696,14 @@ class Buffer:
                 device=x.device,
             )
         self._check_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, x.device)
-        self._enter_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
-        half = self._take_low_latency_half()
+        self._ll.enter_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        half = self._ll.take_half()
 
         num_slots = self.group_size * num_max_dispatch_tokens_per_rank
         device = x.device
-        if use_fp8:
-            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn, device=device)
-            groups = hidden // 512 if use_ue8m0 else hidden // 128
-            scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-            recv_scales = torch.empty(
-                (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
-            ).transpose(1, 2)
-            if groups == 1:
-                # Same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps it,
-                # and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.
-                recv_scales = recv_scales.as_strided((num_local_experts, num_slots, 1), (num_slots, 1, 1))
-        else:
-            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
-            recv_scales = None
+        recv_data, recv_scales = allocate_dispatch_outputs(
+            num_local_experts, num_slots, hidden, use_fp8, use_ue8m0, device
+        )
         handle, receive = self._backend.low_latency_dispatch(
             x,
             topk_idx,
@@ -805,16 +719,11 @@ class Buffer:
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
-        if return_recv_hook:
-            self._ll_unreceived.append(handle)  # combine refuses a handle whose receive phase has not run
-
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
-            if return_recv_hook:
-                self._ll_unreceived.remove(handle)
 
-        hook = self._make_hook(finish, return_recv_hook, half)
-        self._raise_low_latency_error(pending_hook=hook)
+        hook = self._ll.make_hook(finish, return_recv_hook, half, handle=handle)
+        self._ll.raise_reported_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count, handle, event, hook
@@ -833,7 +742,7 @@ class Buffer:
             self.group_size * handle.num_max_dispatch_tokens_per_rank,
             handle.hidden,
         )
-        return self._backend.low_latency_combine_buffer(self._ll_half, shape, handle.src_info.device)
+        return self._backend.low_latency_combine_buffer(self._ll.next_half, shape, handle.src_info.device)
 
     def low_latency_combine(
         self,
@@ -872,7 +781,7 @@ class Buffer:
         expected_shape = (num_local_experts, num_slots, handle.hidden)
         check_tensor("x", x, dtypes=torch.bfloat16, shape=expected_shape, contiguous=not zero_copy)
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        if any(pending is handle for pending in self._ll_unreceived):
+        if not self._ll.is_received(handle):
             raise RuntimeError(
                 "handle: the receive hook of the low_latency_dispatch that made it has not run; call that hook() "
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
@@ -896,8 +805,8 @@ class Buffer:
             # An extra pass over the expert outputs before the combine kernel (in place on the zero-copy buffer,
             # which is ours); a fused encode in the send kernel would save it.
             x = self._backend.logfmt_roundtrip(x, inplace=zero_copy)
-        self._enter_low_latency_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
-        half = self._take_low_latency_half()
+        self._ll.enter_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
+        half = self._ll.take_half()
         receive = self._backend.low_latency_combine(
             x, topk_idx, topk_weights, handle, half=half, wait_stats=combine_wait_recv_cost_stats
         )
@@ -905,8 +814,8 @@ class Buffer:
         def finish() -> None:
             receive(out)
 
-        hook = self._make_hook(finish, return_recv_hook, half)
-        self._raise_low_latency_error(pending_hook=hook)
+        hook = self._ll.make_hook(finish, return_recv_hook, half)
+        self._ll.raise_reported_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook
 
@@ -919,7 +828,7 @@ class Buffer:
                 f"clean_low_latency_buffer: {self.num_pending_low_latency_hooks} low-latency hook(s) have not run; "
                 "cleaning would erase the data they are to receive. Run them first"
             )
-        self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._ll.shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         clean = getattr(self._backend, "clean_low_latency_buffer", None)
         if clean is not None:
             clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
