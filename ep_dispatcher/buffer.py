@@ -58,10 +58,15 @@ class Buffer:
         num_rdma_bytes: NVSHMEM buffer bytes for internode and low-latency kernels; see
             ``Config.get_rdma_buffer_size_hint`` and ``Buffer.get_low_latency_rdma_size_hint``.
         low_latency_mode: enables the ``low_latency_*`` calls.
-        num_qps_per_rank: RDMA queue pairs per peer (low-latency mode uses one per local expert).
+        num_qps_per_rank: accepted for DeepEP compatibility (checked to be >= 1, kept as ``self.num_qps_per_rank``),
+            and tunes nothing: no engine reads it (internode and low-latency traffic goes through NVSHMEM, which its
+            own environment variables configure).
         allow_nvlink_for_low_latency_mode: low-latency kernels use NVLink P2P to peers that have it.
-        allow_mnnvl: treat a multi-node NVLink domain as one node.
-        explicitly_destroy: resources are freed by ``destroy()`` rather than at garbage collection.
+        allow_mnnvl: accepted for DeepEP compatibility (kept as ``self.allow_mnnvl``), and does nothing: a node is
+            ``num_ranks_per_node`` ranks; to treat a multi-node NVLink domain as one node, set that instead.
+        explicitly_destroy: accepted for DeepEP compatibility (kept as ``self.explicitly_destroy``), and does
+            nothing: resources are always freed by ``destroy()`` (collective), or with the process; there is no
+            destructor that frees them at garbage collection.
         comm: an ``mpi4py.MPI.Comm`` used when ``group`` is None (as DeepEP): its ranks become the group (the
             default torch.distributed group is initialised from it if needed; see ``compat.group_from_comm``).
         backend: ``"auto"`` (CUDA engine when built and a GPU is visible, else reference), ``"cuda"`` or
@@ -72,6 +77,10 @@ class Buffer:
         validate_inputs: also check values that live on the device (``topk_idx`` range); costs one host
             sync per call on a GPU and is skipped automatically during CUDA-graph capture. The low-latency kernels
             check ``topk_idx`` on the device instead (always, no sync; see ``low_latency_dispatch``).
+
+    The backends' constructors also accept ``**engine_options`` (DeepEP-style extra options) and ignore them: none
+    exist. SMs: ``Buffer.num_sms`` (``set_num_sms``) feeds the default ``Config`` of every high-throughput call
+    (``get_dispatch_config`` / ``get_combine_config``); a ``config=`` passed to a call replaces it.
     """
 
     num_sms: int = 20
@@ -457,6 +466,12 @@ class Buffer:
             )
             return wrap(recv, recv_scales), None, None, None, None, event
 
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() >= 1 and topk_idx.size(0) != num_tokens:
+            # Checked before is_token_in_rank, which get_dispatch_layout built from topk_idx: name the user's tensors.
+            raise ValueError(
+                f"x, topk_idx: x has {num_tokens} rows (tokens) but topk_idx has {topk_idx.size(0)}; expected one "
+                "topk_idx row per token of x"
+            )
         check_tensor(
             "is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size), device=device
         )

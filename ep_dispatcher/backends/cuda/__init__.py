@@ -73,7 +73,10 @@ _Engine = Union[_LayoutKernel, IntranodeEngine, InternodeEngine, LowLatencyEngin
 
 
 class CudaBackend:
-    """The ``Backend`` (``backends/base.py``) of the ``_C`` engines; what they do not cover runs on ``reference``."""
+    """The ``Backend`` (``backends/base.py``) of the ``_C`` engines; what they do not cover runs on ``reference``.
+
+    ``engine_options`` are accepted (as DeepEP's extra options) and ignored: there are none.
+    """
 
     name = "cuda"
     float_dtypes = ReferenceBackend.float_dtypes  # the reference serves the dtypes the kernels do not sum
