@@ -8,7 +8,13 @@ elements it has no counterpart for (DeepEP's per-channel ring-buffer matrices an
 row straight to its final place, with no channels) are *stand-ins*, computed on first access from the real fields
 with the meaning each docstring below states, so that a handle costs nothing extra on the hot path. The typed
 fields (``handle.rank_prefix_matrix``, ``handle.recv_src_idx``, ...) are what our own code reads;
-``backend_state`` holds whatever extra a backend keeps and is opaque to callers.
+``backend_state`` is a frozen dataclass of the backend engine that made the handle (``ReferenceDispatchState``,
+``IntranodeState``, ``InternodeState``, ``LowLatencyState``, ...: what its cached dispatches and combine reuse),
+opaque to callers.
+
+Handles are not changed after a backend returns them (the stand-ins cache aside): a backend that needs another
+view of a handle makes a new one (``DispatchHandle.with_backend_state``), and whether a low-latency handle's receive
+phase has run is tracked by the ``Buffer`` (``low_latency_state.LowLatencyCalls``), not stored in the handle.
 
 Tuple behaviour: ``len``, indexing (also negative and slices), iteration and unpacking, ``isinstance(h, tuple)``.
 Two handles compare equal only if they are the same object (their elements are tensors).
@@ -16,6 +22,7 @@ Two handles compare equal only if they are the same object (their elements are t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -107,6 +114,8 @@ def _short(value) -> str:
         return f"tensor{list(value.shape)}:{str(value.dtype).replace('torch.', '')}"
     if isinstance(value, dict):
         return "{...}"
+    if dataclasses.is_dataclass(value):
+        return f"{type(value).__name__}(...)"
     return repr(value)
 
 
@@ -131,7 +140,8 @@ class DispatchHandle(_TupleHandle):
         num_recv_tokens_per_expert: ``[num_local_experts] int32`` device tensor, counts rounded up to
             ``expert_alignment`` (``None`` when dispatched without ``num_tokens_per_expert``); read it instead of the
             host list to avoid a host sync.
-        rank, num_ranks_per_node: set by the ``Buffer`` (``rank = -1`` until then).
+        rank, num_ranks_per_node: of the backend that made it (``rank = -1``: unknown, the tuple view then refuses the
+            stand-ins that need it).
 
     As a tuple, within one node (DeepEP's intranode handle, 6 items):
         0 ``rank_prefix_matrix`` (real);
@@ -209,6 +219,23 @@ class DispatchHandle(_TupleHandle):
         self.backend_state = backend_state
         self.rank = rank
         self.num_ranks_per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
+
+    def with_backend_state(self, backend_state: Any) -> "DispatchHandle":
+        """A new handle with the same layout and another ``backend_state`` (this one is left as it is)."""
+        return DispatchHandle(
+            buffer_id=self.buffer_id,
+            num_ranks=self.num_ranks,
+            rank_prefix_matrix=self.rank_prefix_matrix,
+            recv_src_idx=self.recv_src_idx,
+            is_token_in_rank=self.is_token_in_rank,
+            num_recv_tokens=self.num_recv_tokens,
+            num_recv_tokens_per_expert=self.num_recv_tokens_per_expert,
+            num_worst_tokens=self.num_worst_tokens,
+            expert_alignment=self.expert_alignment,
+            backend_state=backend_state,
+            rank=self.rank,
+            num_ranks_per_node=self.num_ranks_per_node,
+        )
 
     @property
     def deepep_names(self) -> Tuple[str, ...]:  # type: ignore[override]
@@ -321,7 +348,6 @@ class LowLatencyHandle(_TupleHandle):
         num_tokens: int,
         num_topk: int,
         backend_state: Any = None,
-        received: bool = True,
     ):
         self.buffer_id = buffer_id
         self.src_info = src_info
@@ -332,7 +358,6 @@ class LowLatencyHandle(_TupleHandle):
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.backend_state = backend_state
-        self.received = received  # False until the receive phase (the hook) of the dispatch that made it has run
 
     def _element(self, index: int):
         return getattr(self, self.deepep_names[index])

@@ -186,7 +186,11 @@ def test_dispatch_rejects_bad_layout_and_topk(group):
             ValueError,
             r"topk_weights: expected a tensor \(topk_idx and topk_weights go together\)",
         ),
-        (dict(topk_idx=topk_idx[:4].contiguous()), ValueError, r"topk_idx: expected shape \[6, \*\], got \[4, 2\]"),
+        (
+            dict(topk_idx=topk_idx[:4].contiguous()),
+            ValueError,
+            r"x, topk_idx: x has 6 rows \(tokens\) but topk_idx has 4; expected one topk_idx row per token of x",
+        ),
         (dict(expert_alignment=0), ValueError, r"expert_alignment: expected >= 1, got 0"),
         (dict(num_worst_tokens=-3), ValueError, r"num_worst_tokens: expected >= 0, got -3"),
         (dict(config="fast"), TypeError, r"config: expected an ep_dispatcher.Config or None, got str"),
@@ -202,6 +206,19 @@ def test_dispatch_rejects_bad_layout_and_topk(group):
         kwargs.update(override)
         with pytest.raises(exc, match=pattern):
             buf.dispatch(x, **kwargs)
+
+
+def test_dispatch_names_x_and_topk_idx_when_their_rows_differ(group):
+    """The layout comes from topk_idx: an x of another token count is reported as x vs topk_idx, not as a wrong
+    is_token_in_rank shape (an argument the user did not build by hand)."""
+    buf = _buffer()
+    x, topk_idx, topk_weights = _routing(11)
+    layout = _layout(buf, topk_idx)
+    pattern = r"x, topk_idx: x has 4 rows \(tokens\) but topk_idx has 6; expected one topk_idx row per token of x"
+    with pytest.raises(ValueError, match=pattern):
+        buf.dispatch(x[:4].contiguous(), topk_idx=topk_idx, topk_weights=topk_weights, **layout)
+    with pytest.raises(ValueError, match=pattern):  # the FP8 pair form counts the rows of its data
+        buf.dispatch(per_token_cast_to_fp8(x[:4].contiguous()), topk_idx=topk_idx, topk_weights=topk_weights, **layout)
 
 
 def test_reference_buffer_needs_no_nvl_bytes(group):
@@ -432,7 +449,7 @@ def test_low_latency_device_reported_topk_errors(group):
     reports.append((2, 0, 1, 5))
     with pytest.raises(ValueError, match=r"topk_idx: token 0 lists an expert more than once \(expert 5 again at k 1\)"):
         hook()
-    assert handle.received and buf.num_pending_low_latency_hooks == 0
+    assert buf.num_pending_low_latency_hooks == 0  # and the handle counts as received: the combine below takes it
 
     reports.append((3, 2, 0, -7))
     pattern = r"got -7 \(token 2, k 0\); found on the GPU by the low-latency combine kernel"

@@ -23,6 +23,7 @@ Payloads travel as ``uint8`` views (gloo has no float8/int16 collectives). Argum
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -60,6 +61,35 @@ def _unpack_rows(packed: torch.Tensor, widths: Sequence[int], templates: Sequenc
             else torch.empty((0, *shape), dtype=dtype, device=packed.device)
         )
     return out
+
+
+@dataclass(frozen=True)
+class ReferenceDispatchState:
+    """What a reference dispatch keeps for its cached dispatches and combine (``DispatchHandle.backend_state``).
+
+    send_idx: ``[sum(send_counts)] int64``, this rank's tokens in send order (destination rank ascending, token order
+        inside); send_counts / recv_counts: rows sent to / received from each rank; num_recv: ``sum(recv_counts)``.
+    """
+
+    send_idx: torch.Tensor
+    send_counts: List[int]
+    recv_counts: List[int]
+    num_recv: int
+
+
+@dataclass(frozen=True)
+class ReferenceLowLatencyState:
+    """What a reference low-latency dispatch keeps for its combine (``LowLatencyHandle.backend_state``).
+
+    send_token / send_k: token and top-k column of each message sent, in send order; send_counts / recv_counts:
+    messages sent to / received from each rank; recv_flat_slot: ``expert * num_slots + slot`` of each received one.
+    """
+
+    send_token: torch.Tensor
+    send_k: torch.Tensor
+    send_counts: List[int]
+    recv_counts: List[int]
+    recv_flat_slot: torch.Tensor
 
 
 class ReferenceBackend:
@@ -236,12 +266,9 @@ class ReferenceBackend:
             num_recv_tokens_per_expert=per_expert,
             num_worst_tokens=num_worst_tokens,
             expert_alignment=expert_alignment,
-            backend_state={
-                "send_idx": send_idx,
-                "send_counts": send_counts,
-                "recv_counts": recv_counts,
-                "num_recv": num_recv,
-            },
+            backend_state=ReferenceDispatchState(send_idx, send_counts, recv_counts, num_recv),
+            rank=self.rank,
+            num_ranks_per_node=self.num_ranks_per_node,
         )
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
@@ -258,15 +285,15 @@ class ReferenceBackend:
         return out
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None):
-        state = handle.backend_state
-        send_idx = state["send_idx"]
+        state: ReferenceDispatchState = handle.backend_state
+        send_idx = state.send_idx
         parts, templates = [x[send_idx]], [(x.dtype, tuple(x.shape[1:]))]
         if x_scales is not None:
             parts.append(x_scales[send_idx])
             templates.append((x_scales.dtype, tuple(x_scales.shape[1:])))
         packed, widths = _pack_rows(parts)
         fields = _unpack_rows(
-            self._all_to_all_rows(packed, state["send_counts"], state["recv_counts"]), widths, templates
+            self._all_to_all_rows(packed, state.send_counts, state.recv_counts), widths, templates
         )
         recv_x = fields[0]
         recv_x_scales = fields[1] if x_scales is not None else None
@@ -290,9 +317,9 @@ class ReferenceBackend:
         ``0 + bias_0 + bias_1 + p_n`` over nodes ascending; nodes/ranks that did not receive the token are skipped.
         One rounding of the total to ``x.dtype``.
         """
-        state = handle.backend_state
-        num_recv = state["num_recv"]
-        send_idx, send_counts, recv_counts = state["send_idx"], state["send_counts"], state["recv_counts"]
+        state: ReferenceDispatchState = handle.backend_state
+        num_recv = state.num_recv
+        send_idx, send_counts, recv_counts = state.send_idx, state.send_counts, state.recv_counts
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         parts = [x[:num_recv]]
         templates = [(x.dtype, tuple(x.shape[1:]))]
@@ -451,13 +478,7 @@ class ReferenceBackend:
             num_experts=num_experts,
             num_tokens=num_tokens,
             num_topk=num_topk,
-            backend_state={
-                "send_token": token_of,
-                "send_k": k_of,
-                "send_counts": send_counts,
-                "recv_counts": recv_counts,
-                "recv_flat_slot": flat_slot,
-            },
+            backend_state=ReferenceLowLatencyState(token_of, k_of, send_counts, recv_counts, flat_slot),
         )
         return handle, receive
 
@@ -472,16 +493,16 @@ class ReferenceBackend:
     ):
         """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``.
         ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it is (0 added), as in ``low_latency_dispatch``."""
-        state = handle.backend_state
+        state: ReferenceLowLatencyState = handle.backend_state
         hidden = x.size(-1)
-        rows = x.reshape(-1, hidden)[state["recv_flat_slot"]]
+        rows = x.reshape(-1, hidden)[state.recv_flat_slot]
         packed, widths = _pack_rows([rows])
         (back,) = _unpack_rows(
-            self._all_to_all_rows(packed, state["recv_counts"], state["send_counts"]), widths, [(x.dtype, (hidden,))]
+            self._all_to_all_rows(packed, state.recv_counts, state.send_counts), widths, [(x.dtype, (hidden,))]
         )
         num_tokens, num_topk = topk_idx.shape
         per_entry = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
-        per_entry[state["send_token"], state["send_k"]] = back.float()
+        per_entry[state.send_token, state.send_k] = back.float()
         valid = topk_idx >= 0
 
         def receive(out: torch.Tensor) -> None:
@@ -492,6 +513,13 @@ class ReferenceBackend:
             out.copy_(acc.to(out.dtype))
 
         return receive
+
+    def take_low_latency_error(self) -> Optional[tuple]:
+        """None: the reference checks ``topk_idx`` on the host before it runs (``checks_topk_idx_on_device``)."""
+        return None
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: the reference keeps no signals between calls."""
 
     def logfmt_roundtrip(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x`` encoded to LogFMT-10 and decoded (``ep_dispatcher.logfmt``); written back into ``x`` if ``inplace``."""

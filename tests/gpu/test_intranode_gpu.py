@@ -377,3 +377,44 @@ def _rerun_worker(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_fresh_dispatch_reruns_when_the_laid_out_block_is_too_small(world: int) -> None:
     assert run(_rerun_worker, world) == [1] * world
+
+
+def _fallback_worker(rank: int, world: int) -> int:
+    """Combine in fp16 and fp64 (the kernels sum bf16 and fp32 only): the cuda backend routes it to the reference
+    backend it holds, on the engine's handle; the results equal a reference buffer's, bit for bit."""
+    device = _set_device(rank)
+    cuda, ref = _buffers(world)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 96, 512, 4 * world, 2
+    g = torch.Generator().manual_seed(1700 + rank)
+    x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk].to(device)
+    topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
+    per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk_idx, num_experts)
+    kwargs = dict(
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
+    out_c = cuda.dispatch(x, config=config, **kwargs)
+    out_r = ref.dispatch(x, **kwargs)
+    assert torch.equal(out_c[0], out_r[0])
+    checked = 0
+    for dtype in (torch.float16, torch.float64):
+        y = (out_c[0].float() * 0.75 - 0.5).to(dtype)
+        bias = torch.randn((num_tokens, hidden), generator=g).to(dtype).to(device)
+        comb_c = cuda.combine(y, out_c[4], topk_weights=out_c[2], bias=bias, config=config)
+        comb_r = ref.combine(y, out_r[4], topk_weights=out_r[2], bias=bias)
+        assert comb_c[0].dtype == dtype, str(dtype)
+        assert torch.equal(comb_c[0], comb_r[0]) and torch.equal(comb_c[1], comb_r[1]), f"{dtype} combine"
+        checked += 1
+    # The engine's handle still serves the engine afterwards (the fallback made a new handle, left this one as is).
+    y = out_c[0]
+    assert torch.equal(cuda.combine(y, out_c[4], config=config)[0], ref.combine(out_r[0], out_r[4])[0]), "bf16 after"
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_fp16_fp64_combine_falls_back_to_the_reference(world: int) -> None:
+    assert run(_fallback_worker, world) == [2] * world
