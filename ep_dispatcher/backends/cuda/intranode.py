@@ -100,8 +100,9 @@ class IntranodeEngine:
     ):
         # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
         # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
-        # A call whose rows do not fit in some rank's empty pool returns the size it needs, on every rank alike
-        # (same counts): the pools grow together and the call runs again (once: the grown pool holds it).
+        # A call whose rows do not fit in some rank's empty pool, or do not fit next to the live outputs while the
+        # group's smallest pool holds less than twice them, returns the size it needs, on every rank alike (same
+        # counts, same smallest pool): the pools grow together and the call runs again (once: the grown pool holds it).
         def run():
             return _C.intranode_dispatch_fresh(
                 self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
