@@ -329,9 +329,14 @@ def _rerun_worker(rank: int, world: int) -> int:
     config = Config(NUM_SMS)
     hidden, n = 512, 64
     # Token t goes to rank t % world only (no top-k): every rank receives exactly num_tokens rows, in source order.
-    row_bytes = hidden * 2 + 4
-    # Twice one big call's outputs and a bit (a smaller pool would grow instead: see the end of this test).
-    pool_bytes = int(2.1 * 4 * n * row_bytes) + (1 << 16)
+    # Twice one big call's outputs and 10 % (a smaller pool would grow instead: see the end of this test), so that the
+    # big and the small call's outputs leave less than one big call's room free. Block sizes: x and src regions, each
+    # 128-byte aligned.
+    def block(rows: int) -> int:
+        return -(-rows * hidden * 2 // 128) * 128 + -(-rows * 4 // 128) * 128
+
+    pool_bytes = 2 * block(4 * n) + block(4 * n) // 10
+    assert block(4 * n) + block(n) + block(4 * n) > pool_bytes >= 2 * block(4 * n)
     cuda = Buffer(None, num_nvl_bytes=pool_bytes, backend="cuda", timeout_s=60)
     cuda._backend.ipc.poison_receive_pool(True)
 
