@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, args) -> Dict:
         )
         recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
         num_recv = recv[0].size(0)
-        count_matrix = handle.backend_state["count_matrix"].cpu()
+        count_matrix = handle.backend_state.count_matrix.cpu()
         rows = _leg_rows(rank, world, per_node, in_rank.cpu(), count_matrix)
         y = torch.randn((num_recv, args.hidden), device=device).to(torch.bfloat16)
         times = time_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, tokens * world)

@@ -2,12 +2,15 @@
 
     python benchmarks/bench_intranode.py --ranks 8 --num-sms 16               # the standard shape
     python benchmarks/bench_intranode.py --ranks 8 --sweep 512,1024,2048,4096,8192 --out bench.json
+    python benchmarks/bench_intranode.py --ranks 1 --num-sms 132                # EP = 1: loopback on the whole GPU
 
 Standard shape (DESIGN.md section 6): 4096 tokens/rank, hidden 7168, top-8 of 256 experts, FP8 dispatch,
 BF16 combine. Bandwidth in the field's accounting: bytes received by a rank (``recv_x`` incl. the local share;
 FP8 counts data + scales) over the call's time; "wire" excludes the local share. The limit on one GPU is the
 device-to-device copy bandwidth measured in the same run (bytes read + written); each call's own traffic on one
 GPU is several HBM passes per logical byte, so the ratio says how close the design is to what one GPU can do.
+"HBM traffic" counts what a call must move at least (each input row read once, each output row written once) against
+the same copy bandwidth: at EP = 1 (loopback) that is the share of the GPU's memory bandwidth the call reaches.
 Times are medians over several groups of back-to-back calls (ranks stay in lock step through the kernels'
 barriers), measured with CUDA events.
 """
@@ -144,6 +147,15 @@ def _rank_main(rank: int, world: int, args) -> Dict:
                     "dispatch_fp8": (num_recv - local_rows) * fp8_row,
                     "combine_bf16": (num_recv - local_rows) * bf16_row,
                 },
+                # HBM bytes the call must move at least (each input row read once, each output row written once):
+                # the fair comparison with the copy bandwidth, which counts read + write.
+                "hbm_bytes": {
+                    "dispatch_fp8": (tokens + num_recv) * fp8_row,
+                    "dispatch_fp8_worst": (tokens + num_recv) * fp8_row,
+                    "cached_dispatch_fp8": (tokens + num_recv) * fp8_row,
+                    "dispatch_bf16": (tokens + num_recv) * bf16_row,
+                    "combine_bf16": (num_recv + tokens) * bf16_row,
+                },
             }
         )
     tune = _tune_num_sms(buffer, rank, args, device) if args.tune_sms else {}
@@ -237,6 +249,7 @@ def main(argv=None) -> int:
             t = statistics.median(r["times"][kind] for r in rows)
             agg_bytes = sum(r["bytes"][kind] for r in rows)
             agg = agg_bytes / t / 1e9 if agg_bytes else 0.0
+            hbm = sum(r["hbm_bytes"].get(kind, 0) for r in rows) / t / 1e9
             ref = STAGING_REFERENCE_GBPS.get(kind.split("_")[0] if kind != "combine_bf16" else "combine")
             entry = {
                 "tokens": tokens,
@@ -246,6 +259,8 @@ def main(argv=None) -> int:
                 "per_rank_GBps": agg / args.ranks,
                 "bytes_per_rank": agg_bytes / args.ranks,
                 "ratio_to_copy_bw": agg / copy_gbps if copy_gbps else None,
+                "hbm_GBps": hbm,
+                "hbm_share_of_copy_bw": hbm / copy_gbps if copy_gbps else None,
                 "vs_staging_reference": (agg / ref)
                 if (ref and kind in ("dispatch_fp8", "dispatch_fp8_worst", "combine_bf16"))
                 else None,
@@ -254,7 +269,7 @@ def main(argv=None) -> int:
             extra = f" {entry['vs_staging_reference']:.2f}x staging ref" if entry["vs_staging_reference"] else ""
             print(
                 f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us  {agg_bytes / args.ranks / 1e6:8.2f} MB/rank  "
-                f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw){extra}"
+                f"agg {agg:8.1f} GB/s  ({agg / copy_gbps:5.1%} of copy bw; HBM traffic {hbm / copy_gbps:5.1%}){extra}"
             )
     if args.tune_sms:
         print(f"  tuned SM counts written to {write_tuned_sms(per_rank, args)}")

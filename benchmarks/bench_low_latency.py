@@ -7,7 +7,9 @@ Shape (DESIGN.md section 6): hidden 7168, top-8 of 256 experts, FP8 dispatch, BF
 the table shows, per call (median over --groups groups of --calls back-to-back calls, CUDA events):
   - one-shot dispatch and combine (send + receive in one call), eager, alternating as in a decode step, each timed
     by CUDA events around it (the wait for the slowest peer is part of the call's time);
-  - the same pair replayed from a CUDA graph (no launch cost): eager - graph is the launch/host overhead;
+  - the same pair replayed from a CUDA graph (no launch cost): eager - graph is the launch/host overhead; also
+    --calls dispatches alone and --calls combines alone (of one dispatch's handle) replayed from graphs, for the
+    issue's per-call host share (1 - graph / eager, dispatch and combine each; "d host %", "c host %");
   - with return_recv_hook=True, the send phase and the receive phase separately, GPU time only: the GPU spins
     --gap-us before the send (so the host has enqueued the phases when it starts) and again before each receive
     (so that it measures the receive kernel, not the wait for the slowest peer).
@@ -125,6 +127,11 @@ def _phases_us(buffer: Buffer, x, topk_idx, topk_weights, tokens: int, experts: 
     return {name: statistics.median(v) for name, v in rows.items()}
 
 
+def host_share(graph_us: float, eager_us: float) -> float:
+    """The share of an eager call's time that is launch and host work: 1 - graph / eager (0 when graph >= eager)."""
+    return max(0.0, 1 - graph_us / eager_us) if eager_us > 0 else 0.0
+
+
 def _rank_main(rank: int, world: int, args) -> Dict:
     use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -177,8 +184,24 @@ def _rank_main(rank: int, world: int, args) -> Dict:
             for _ in range(args.calls):
                 pair()
         graph_pair_us = _median_us(graph.replay, 1, args.groups) / args.calls
+        # Dispatches alone and combines alone (of the handle of the last eager dispatch): an even number of calls per
+        # graph, so a replay leaves the buffer halves in the order the host expects.
+        graph_calls = args.calls + args.calls % 2
+        graph_d, graph_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        dispatch()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph_d):
+            for _ in range(graph_calls):
+                dispatch()
+        dispatch()  # the handle every captured combine uses (eager: its receive has run)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph_c):
+            for _ in range(graph_calls):
+                combine()
+        graph_dispatch_us = _median_us(graph_d.replay, 1, args.groups) / graph_calls
+        graph_combine_us = _median_us(graph_c.replay, 1, args.groups) / graph_calls
         phases = _phases_us(buffer, x, topk_idx, topk_weights, tokens, experts, args.gap_us, args.groups)
-        del graph
+        del graph, graph_d, graph_c
         grid_blocks = buffer._backend.ll.grid_blocks(tokens, tokens, experts, hidden)
         rows[tokens] = dict(
             sm_share=grid_blocks / sm_count,
@@ -189,6 +212,8 @@ def _rank_main(rank: int, world: int, args) -> Dict:
             dispatch_us=dispatch_us,
             combine_us=combine_us,
             graph_pair_us=graph_pair_us,
+            graph_dispatch_us=graph_dispatch_us,
+            graph_combine_us=graph_combine_us,
             eager_pair_us=pair_us,
             **phases,
         )
@@ -226,7 +251,7 @@ def main(argv=None) -> int:
     header = (
         f"{'tokens':>6} {'dispatch':>9} {'combine':>8} {'graph d+c':>9} {'d send':>7} {'d recv':>7} {'c send':>7} "
         f"{'c recv':>7} {'disp GB/s':>9} {'comb GB/s':>9} {'agg disp GB/s':>13} {'copy-limit d+c':>14} "
-        f"{'copy/graph':>10} {'host %':>6} {'SM %':>5} {'all SM %':>8}"
+        f"{'copy/graph':>10} {'host %':>6} {'d host %':>8} {'c host %':>8} {'SM %':>5} {'all SM %':>8}"
     )
     print(header)
     summary = {}
@@ -244,7 +269,9 @@ def main(argv=None) -> int:
             f"{worst['combine_recv']:>7.1f} {rank_d_gbps:>9.1f} {rank_c_gbps:>9.1f} "
             f"{d_bytes / (worst['dispatch_us'] * 1e3):>13.1f} {copy_limit_us:>14.1f} "
             f"{100 * copy_limit_us / worst['graph_pair_us']:>9.0f}% "
-            f"{100 * max(0.0, 1 - worst['graph_pair_us'] / worst['eager_pair_us']):>6.0f} "
+            f"{100 * host_share(worst['graph_pair_us'], worst['eager_pair_us']):>6.0f} "
+            f"{100 * host_share(worst['graph_dispatch_us'], worst['dispatch_us']):>8.0f} "
+            f"{100 * host_share(worst['graph_combine_us'], worst['combine_us']):>8.0f} "
             f"{100 * worst['sm_share']:>5.0f} {100 * worst['all_sm_share']:>8.0f}"
         )
         summary[tokens] = dict(
@@ -255,7 +282,9 @@ def main(argv=None) -> int:
             aggregate_combine_bytes=c_bytes,
             copy_limit_pair_us=copy_limit_us,
             floor_ratio=copy_limit_us / worst["graph_pair_us"],
-            launch_overhead_share=max(0.0, 1 - worst["graph_pair_us"] / worst["eager_pair_us"]),
+            launch_overhead_share=host_share(worst["graph_pair_us"], worst["eager_pair_us"]),
+            dispatch_host_share=host_share(worst["graph_dispatch_us"], worst["dispatch_us"]),
+            combine_host_share=host_share(worst["graph_combine_us"], worst["combine_us"]),
         )
     print(f"published (dispatch, combine) µs at 128 tokens, real NVLink/RDMA: {PUBLISHED_US}")
     if args.out:

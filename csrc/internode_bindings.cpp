@@ -21,8 +21,6 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
 // One rank's NVSHMEM buffer for internode high-throughput calls, its node peers' mappings and the epochs.
 class InternodeBuffer {
    public:
@@ -142,15 +140,17 @@ class InternodeBuffer {
         }
         at::Tensor recv_src = at::empty({rows_out}, x.options().dtype(at::kInt));
         intranode::copy_out(reinterpret_cast<const char*>(base_ + L.recv_offset), regions, count_matrix.data_ptr<int>(), ctx_.rank, R,
-                            static_cast<int>(rows_out), recv_x.data_ptr(), x_row, recv_scales ? recv_scales->data_ptr() : nullptr, scale_row,
-                            recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr, recv_weights ? recv_weights->data_ptr<float>() : nullptr,
-                            num_topk, recv_src.data_ptr<int>(), static_cast<int>(num_sms), s);
+                            static_cast<int>(rows_out), recv_x.data_ptr(), x_row, recv_scales ? recv_scales->data_ptr() : nullptr,
+                            scale_row, recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr,
+                            recv_weights ? recv_weights->data_ptr<float>() : nullptr, num_topk, recv_src.data_ptr<int>(),
+                            static_cast<int>(num_sms), s);
         return {recv_x, recv_scales, recv_topk, recv_weights, recv_src, fwd_pos};
     }
 
-    std::tuple<at::Tensor, OptTensor> combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0, const OptTensor& bias1,
-                                              const at::Tensor& rdma_send_pos, const at::Tensor& count_matrix, const at::Tensor& node_count,
-                                              const at::Tensor& fwd_pos, int64_t num_tokens, int64_t hidden_bytes, int64_t num_sms) {
+    std::tuple<at::Tensor, OptTensor> combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
+                                              const OptTensor& bias1, const at::Tensor& rdma_send_pos, const at::Tensor& count_matrix,
+                                              const at::Tensor& node_count, const at::Tensor& fwd_pos, int64_t num_tokens,
+                                              int64_t hidden_bytes, int64_t num_sms) {
         for (const auto& [t, name] : {std::pair{&x, "x"}, {&rdma_send_pos, "rdma_send_pos"}, {&count_matrix, "count_matrix"},
                                       {&node_count, "node_count"}, {&fwd_pos, "fwd_pos"}})
             check(*t, name);
@@ -168,11 +168,11 @@ class InternodeBuffer {
         at::Tensor out = at::empty({num_tokens, hidden}, x.options());
         OptTensor out_weights;
         if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
-        internode::combine(L, ctx(), F, x.scalar_type() == at::kBFloat16 ? internode::FloatType::kBFloat16 : internode::FloatType::kFloat32,
-                           x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, bias0 ? bias0->data_ptr() : nullptr,
-                           bias1 ? bias1->data_ptr() : nullptr, rdma_send_pos.data_ptr<int>(), count_matrix.data_ptr<int>(),
-                           node_count.data_ptr<int>(), fwd_pos.data_ptr<int>(), static_cast<int>(fwd_pos.size(1)), static_cast<int>(num_tokens),
-                           out.data_ptr(), out_weights ? out_weights->data_ptr<float>() : nullptr, static_cast<int>(num_sms), stream());
+        internode::combine(L, ctx(), F, float_type_of(x), x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                           bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, rdma_send_pos.data_ptr<int>(),
+                           count_matrix.data_ptr<int>(), node_count.data_ptr<int>(), fwd_pos.data_ptr<int>(),
+                           static_cast<int>(fwd_pos.size(1)), static_cast<int>(num_tokens), out.data_ptr(),
+                           out_weights ? out_weights->data_ptr<float>() : nullptr, static_cast<int>(num_sms), stream());
         return {out, out_weights};
     }
 
@@ -219,9 +219,14 @@ void register_internode(py::module_& m) {
         .def(py::init<int, int, int, int64_t, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_ranks_per_node"),
              py::arg("num_bytes"), py::arg("timeout_ns"), py::arg("device"))
         .def("max_tokens", &InternodeBuffer::max_tokens, py::arg("hidden_bytes"))
-        .def("notify", &InternodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
-        .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
-        .def("combine", &InternodeBuffer::combine, py::call_guard<py::gil_scoped_release>())
+        .def("notify", &InternodeBuffer::notify, py::arg("per_rank"), py::arg("per_node"), py::arg("num_tokens"), py::arg("per_expert"),
+             py::arg("num_experts"), py::arg("expert_alignment"), py::call_guard<py::gil_scoped_release>())
+        .def("dispatch", &InternodeBuffer::dispatch, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+             py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rdma_send_pos"), py::arg("count_matrix"), py::arg("node_count"),
+             py::arg("rows_out"), py::arg("hidden_bytes"), py::arg("num_sms"), py::arg("cached"), py::call_guard<py::gil_scoped_release>())
+        .def("combine", &InternodeBuffer::combine, py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
+             py::arg("rdma_send_pos"), py::arg("count_matrix"), py::arg("node_count"), py::arg("fwd_pos"), py::arg("num_tokens"),
+             py::arg("hidden_bytes"), py::arg("num_sms"), py::call_guard<py::gil_scoped_release>())
         .def("destroy", &InternodeBuffer::destroy, py::call_guard<py::gil_scoped_release>());
     m.attr("INTERNODE_MAX_RANKS") = internode::kMaxRanks;
     m.attr("INTERNODE_MAX_RANKS_PER_NODE") = internode::kMaxRanksPerNode;

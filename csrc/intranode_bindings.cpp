@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -24,8 +25,6 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
 void check_cuda(const at::Tensor& t, const char* name, const IpcBuffer& buffer) {
     check_cuda_tensor(t, name, buffer.device());
 }
@@ -39,12 +38,36 @@ intranode::Published nothing_published() {
     return publish;
 }
 
-// Offset of a pool tensor's region; an empty tensor has none (and nobody writes to it).
-int64_t offset_in_pool(const IpcBuffer& buffer, const at::Tensor& t) { return t.numel() == 0 ? 0 : buffer.pool().offset_of(t); }
+// Bounds the rows a dispatch of this shape can receive, against the pool's size (an empty pool's worth).
+void check_receive_capacity(const IpcBuffer& buffer, int64_t rows, int x_row, int scale_row, int num_topk) {
+    const int capacity = intranode::dispatch_capacity(buffer.pool().capacity(), x_row, scale_row, num_topk);
+    TORCH_CHECK_VALUE(rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " received rows of this shape, this dispatch needs ",
+                      rows, "; create the Buffer with more num_nvl_bytes");
+}
 
-// The data part of every dispatch (fresh or cached): this rank's output tensors come from its receive pool, their
-// offsets are published at a barrier, every sender writes its rows straight into them, and a barrier ends the call.
-// A fresh dispatch also returns recv_src_idx and the top-k outputs (num_worst_tokens padding filled in).
+// A dispatch's outputs: tensors on the pool block at `block`, laid out by receive_layout (the layout the senders
+// address). recv_src is empty without `layout`'s source field (cached dispatch).
+struct ReceiveTensors {
+    at::Tensor x;
+    OptTensor scales, topk, weights;
+    at::Tensor src;
+};
+ReceiveTensors receive_tensors(RecvPool& pool, int64_t block, const intranode::ReceiveLayout& layout, int64_t rows, const at::Tensor& x,
+                               const OptTensor& scales, int num_topk, bool with_src, cudaStream_t stream) {
+    ReceiveTensors out;
+    out.x = pool.tensor_at(block + layout.x, {rows, x.size(1)}, x.scalar_type(), stream);
+    if (scales) out.scales = pool.tensor_at(block + layout.scales, {rows, scales->size(1)}, scales->scalar_type(), stream);
+    if (num_topk > 0) {
+        out.topk = pool.tensor_at(block + layout.topk, {rows, num_topk}, at::kLong, stream);
+        out.weights = pool.tensor_at(block + layout.weights, {rows, num_topk}, at::kFloat, stream);
+    }
+    out.src = with_src ? pool.tensor_at(block + layout.src, {rows}, at::kInt, stream) : at::empty({0}, x.options().dtype(at::kInt));
+    return out;
+}
+
+// The data part of a cached dispatch, and of a fresh one whose rows did not fit where notify placed them: this rank's
+// outputs come from its receive pool, their offsets are published at a barrier, every sender writes its rows straight
+// into them, and a barrier ends the call. A fresh dispatch also returns recv_src_idx and the top-k outputs.
 DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
                          const OptTensor& topk_weights, int64_t num_local_experts, const at::Tensor& is_token_in_rank,
                          const at::Tensor& send_pos, const at::Tensor& count_matrix, int64_t rows_out, int64_t num_sms, int64_t timeout_ns,
@@ -67,48 +90,33 @@ DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor
         TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
         check_cuda(*topk_weights, "topk_weights", buffer);
     }
-    const int capacity = intranode::dispatch_capacity(buffer.pool().capacity(), x_row, scale_row, num_topk);
-    TORCH_CHECK_VALUE(rows_out <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " received rows of this shape, this dispatch needs ",
-                      rows_out, "; create the Buffer with more num_nvl_bytes");
+    check_receive_capacity(buffer, rows_out, x_row, scale_row, num_topk);
 
     // Room first: making it may move earlier outputs out of the pool (the inputs of this call among them), so no data
     // pointer is read before this point.
     RecvPool& pool = buffer.pool();
-    pool.reserve(intranode::dispatch_bytes(rows_out, x_row, scale_row, num_topk, fresh), stream);
-    at::Tensor recv_x = pool.tensor({rows_out, x.size(1)}, x.scalar_type(), stream);
-    OptTensor recv_scales, recv_topk, recv_weights;
-    if (scales) recv_scales = pool.tensor({rows_out, scales->size(1)}, scales->scalar_type(), stream);
-    if (topk_idx) {
-        recv_topk = pool.tensor({rows_out, num_topk}, at::kLong, stream);
-        recv_weights = pool.tensor({rows_out, num_topk}, at::kFloat, stream);
-    }
-    const int64_t src_offset = fresh ? pool.transient(rows_out * static_cast<int64_t>(sizeof(int)), stream) : -1;
+    const intranode::ReceiveLayout layout = intranode::receive_layout(rows_out, x_row, scale_row, num_topk, fresh);
+    const int64_t block = pool.take_block(layout.end, true, stream).first;
+    ReceiveTensors out = receive_tensors(pool, block, layout, rows_out, x, scales, num_topk, fresh, stream);
+    pool.end_block(layout.end);
 
     intranode::Published publish = nothing_published();
-    publish.value[intranode::kPubRecvX] = offset_in_pool(buffer, recv_x);
-    if (recv_scales) publish.value[intranode::kPubRecvScales] = offset_in_pool(buffer, *recv_scales);
-    if (recv_topk) {
-        publish.value[intranode::kPubRecvTopk] = offset_in_pool(buffer, *recv_topk);
-        publish.value[intranode::kPubRecvWeights] = offset_in_pool(buffer, *recv_weights);
+    publish.value[intranode::kPubRecvX] = block + layout.x;
+    if (scales) publish.value[intranode::kPubRecvScales] = block + layout.scales;
+    if (num_topk > 0) {
+        publish.value[intranode::kPubRecvTopk] = block + layout.topk;
+        publish.value[intranode::kPubRecvWeights] = block + layout.weights;
     }
-    publish.value[intranode::kPubRecvSrc] = src_offset;
+    if (fresh) publish.value[intranode::kPubRecvSrc] = block + layout.src;
     publish.value[intranode::kPubRecvRows] = rows_out;
     // Every rank's previous use of its outputs' regions is over, and every rank's offsets are known, past this barrier.
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchReady, &publish, stream);
     intranode::dispatch(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
                         topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                         num_topk, static_cast<int>(num_local_experts), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
-                        count_matrix.data_ptr<int>(), num_tokens, static_cast<int>(num_sms), stream);
+                        count_matrix.data_ptr<int>(), nullptr, nullptr, num_tokens, static_cast<int>(num_sms), stream);
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream);
-
-    at::Tensor recv_src = at::empty({fresh ? rows_out : 0}, x.options().dtype(at::kInt));
-    if (fresh) {
-        intranode::finish_receive(reinterpret_cast<const int*>(buffer.local_data() + src_offset), count_matrix.data_ptr<int>(), buffer.rank(),
-                                  R, static_cast<int>(rows_out), recv_src.data_ptr<int>(), recv_topk ? recv_topk->data_ptr<int64_t>() : nullptr,
-                                  recv_weights ? recv_weights->data_ptr<float>() : nullptr, num_topk, stream);
-        pool.release_transient(src_offset, stream);
-    }
-    return {recv_x, recv_scales, recv_topk, recv_weights, recv_src};
+    return {out.x, out.scales, out.topk, out.weights, out.src};
 }
 
 // Raises the input error a count exchange reported (every rank gets the same, lowest rank's, error).
@@ -119,8 +127,14 @@ void raise_input_error(const intranode::InputError& error, int my_rank, int64_t 
         TORCH_CHECK_VALUE(false, "topk_idx: expected entries in [-1, ", num_experts, ") (-1 = no expert), got ", error.value, " at token ",
                           error.where, ", column ", error.slot, where.str());
     if (error.code == intranode::kTokensPerRankMismatch)
-        TORCH_CHECK_VALUE(false, "num_tokens_per_rank: entry ", error.where, " is ", error.value, " but is_token_in_rank sends ", error.slot,
-                          " tokens to rank ", error.where, where.str(), "; pass the counts get_dispatch_layout returned with it");
+        TORCH_CHECK_VALUE(false, "num_tokens_per_rank: entry ", error.where, " is ", error.value, " but is_token_in_rank sends ",
+                          error.slot, " tokens to rank ", error.where, where.str(),
+                          "; pass the counts get_dispatch_layout returned with it");
+    if (error.code == intranode::kRowShapeMismatch) {
+        static const char* const what[] = {"x: row bytes (hidden x element size)", "x_scales: row bytes", "topk_idx: top-k width"};
+        TORCH_CHECK_VALUE(false, what[error.where], " must be the same on every rank: this rank has ", error.slot, ", rank ", error.rank,
+                          " has ", error.value);
+    }
     TORCH_CHECK(false, "intranode dispatch: unknown input error code ", error.code, where.str());
 }
 
@@ -136,8 +150,14 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
     for (int64_t spins = 1; *published != tag; ++spins) {
         if (spins % kSpinsPerCheck != 0) continue;
         const cudaError_t state = cudaStreamQuery(stream);
-        TORCH_CHECK(state == cudaSuccess || state == cudaErrorNotReady, "ep_dispatcher: rank ", buffer.rank(),
-                    ": the stream faulted while the host waited for the count exchange: ", cudaGetErrorString(state));
+        if (state != cudaSuccess && state != cudaErrorNotReady) {
+            // A synchronizing call flushes the device's printf buffer into stdout, and stdout is flushed (a pipe buffers,
+            // and a spawned rank may end with os._exit): the kernel's own report (peer, stage) comes out.
+            cudaStreamSynchronize(stream);
+            std::fflush(stdout);
+            TORCH_CHECK(false, "ep_dispatcher: rank ", buffer.rank(), ": the stream faulted while the host waited for the count exchange: ",
+                        cudaGetErrorString(state), " (a kernel timeout prints the peer and stage it waited for)");
+        }
         if (state == cudaSuccess && *published != tag) break;  // cannot happen: the stream ran notify; re-read below
         const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
         TORCH_CHECK(waited < host_timeout_ns, "ep_dispatcher: timeout after ", host_timeout_ns / 1000000, " ms on rank ", buffer.rank(),
@@ -154,22 +174,37 @@ using FreshDispatchOutputs = std::tuple<at::Tensor, OptTensor, OptTensor, OptTen
                                         int64_t, int64_t,   // rows this rank sent (combine gets them back), most any rank sent
                                         int64_t>;           // > 0: the pool bytes the call needs; it did not run (grow, retry)
 
-// One C++ entry for a fresh dispatch: send positions and content checks on the device, the count exchange, the host's
-// wait for the counts (host-mapped memory, no stream sync; skipped with num_worst_tokens), then the data kernels.
-// When some rank's rows do not fit in its empty receive pool, every rank returns the pool size the call needs instead
-// (all see the same counts), so that the caller grows the pools together and calls again.
+// One C++ entry for a fresh dispatch, launched in one go: send positions and content checks, the count exchange
+// (which also lays out every receiver's outputs in the pool block it published), the data kernel and its barrier.
+// Only then does the host wait for the counts (host-mapped memory, no stream sync; not at all with num_worst_tokens),
+// while the rows move, and makes the output tensors where the device put the rows. If some receiver's rows did not
+// fit in its block (every rank sees the same), the data kernel did nothing and the data phase runs again in room
+// made for it; if they do not fit even in some rank's empty pool, every rank returns the pool size the call needs
+// instead, so that the caller grows the pools together and calls again.
 FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
-                                    const OptTensor& topk_weights, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
-                                    const OptTensor& num_tokens_per_expert, int64_t num_experts, int64_t expert_alignment,
-                                    int64_t num_worst_tokens, int64_t num_sms, int64_t timeout_ns) {
+                                    const OptTensor& topk_weights, const at::Tensor& is_token_in_rank,
+                                    const at::Tensor& num_tokens_per_rank, const OptTensor& num_tokens_per_expert, int64_t num_experts,
+                                    int64_t expert_alignment, int64_t num_worst_tokens, int64_t num_sms, int64_t timeout_ns) {
     TORCH_CHECK(buffer.is_open(), "intranode_dispatch: peers are not mapped");
-    for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
+    for (const auto& [t, name] :
+         {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
         check_cuda(*t, name, buffer);
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
+    if (scales) check_cuda(*scales, "scales", buffer);
+    if (topk_idx) {
+        check_cuda(*topk_idx, "topk_idx", buffer);
+        TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
+        check_cuda(*topk_weights, "topk_weights", buffer);
+    }
+    if (num_tokens_per_expert) check_cuda(*num_tokens_per_expert, "num_tokens_per_expert", buffer);
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int R = buffer.num_ranks(), rank = buffer.rank();
     const int num_tokens = static_cast<int>(x.size(0));
     const int num_local_experts = static_cast<int>(num_experts > 0 ? num_experts / R : 1);
+    const int x_row = static_cast<int>(x.size(1) * x.element_size());
+    const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
+    const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
     // A call that did not wait (num_worst_tokens) reports its input error here, at the next call, at the latest.
     if (buffer.unchecked_report_tag != 0 && buffer.report()->tag == buffer.unchecked_report_tag) {
         const intranode::InputError error = buffer.report()->error;
@@ -177,20 +212,35 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
         if (error.code != intranode::kInputOk) raise_input_error(error, rank, num_experts);
     }
 
-    // One allocation for the small per-call integers: counts [R] | count matrix [R, R] | prefix matrix [R, R] | per expert.
+    // The block the device lays this rank's outputs out in. With num_worst_tokens the size is known (room is made for
+    // it: that may move earlier outputs, this call's inputs among them, out of the pool, so no data pointer is read
+    // before this point). Otherwise the largest free region, as it is: evicting live outputs costs a copy, which a
+    // call that fits does not need; one that does not fit runs its data phase again in room made for it.
+    const bool worst = num_worst_tokens > 0;
+    const intranode::ReceiveLayout worst_layout = intranode::receive_layout(num_worst_tokens, x_row, scale_row, num_topk, true);
+    if (worst) check_receive_capacity(buffer, num_worst_tokens, x_row, scale_row, num_topk);
+    RecvPool& pool = buffer.pool();
+    const auto [block, block_bytes] = pool.take_block(worst ? worst_layout.end : 0, worst, stream);
+    std::optional<ReceiveTensors> worst_out;  // known sizes: the tensors exist before the kernels (graph capture)
+    if (worst) {
+        worst_out = receive_tensors(pool, block, worst_layout, num_worst_tokens, x, scales, num_topk, true, stream);
+        pool.end_block(worst_layout.end);
+    }
+
+    // One allocation for the small per-call state: counts [R] | count matrix [R, R] | prefix matrix [R, R] | per expert
+    // | (8-byte aligned) the receivers' regions [R] | go.
     const int64_t num_per_expert = num_tokens_per_expert ? num_local_experts : 0;
-    at::Tensor ints = at::empty({R + 2 * R * R + num_per_expert}, x.options().dtype(at::kInt));
+    const int64_t plan_at = (R + 2 * R * R + num_per_expert + 1) / 2 * 2;
+    const int64_t plan_ints = R * static_cast<int64_t>(sizeof(intranode::ReceiverRegions) / sizeof(int));
+    at::Tensor ints = at::empty({plan_at + plan_ints + 1}, x.options().dtype(at::kInt));
     at::Tensor counts = ints.narrow(0, 0, R);
     at::Tensor count_matrix = ints.narrow(0, R, R * R).view({R, R});
     at::Tensor rank_prefix_matrix = ints.narrow(0, R + R * R, R * R).view({R, R});
     OptTensor recv_per_expert;
-    if (num_tokens_per_expert) {
-        check_cuda(*num_tokens_per_expert, "num_tokens_per_expert", buffer);
-        recv_per_expert = ints.narrow(0, R + 2 * R * R, num_per_expert);
-    }
+    if (num_tokens_per_expert) recv_per_expert = ints.narrow(0, R + 2 * R * R, num_per_expert);
+    auto* plan = reinterpret_cast<intranode::ReceiverRegions*>(ints.data_ptr<int>() + plan_at);
+    int* go = ints.data_ptr<int>() + plan_at + plan_ints;
     at::Tensor send_pos = at::empty({num_tokens, R}, x.options().dtype(at::kInt));
-    if (topk_idx) check_cuda(*topk_idx, "topk_idx", buffer);
-    const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
 
     intranode::send_positions(buffer.peers(), rank, R, is_token_in_rank.data_ptr<bool>(), num_tokens, num_tokens_per_rank.data_ptr<int>(),
                               topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, num_topk, static_cast<int>(num_experts),
@@ -198,44 +248,65 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     const int tag = buffer.next_report_tag();
     intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(),
                       num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
-                      static_cast<int>(expert_alignment), count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
-                      recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, buffer.report_on_device(), tag, timeout_ns, stream);
+                      static_cast<int>(expert_alignment), pool.capacity(), block, block_bytes, worst ? num_worst_tokens : -1, x_row,
+                      scale_row, num_topk, count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
+                      recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, plan, go, buffer.report_on_device(), tag, timeout_ns,
+                      stream);
+    intranode::dispatch(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
+                        topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                        num_topk, num_local_experts, is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+                        count_matrix.data_ptr<int>(), plan, go, num_tokens, static_cast<int>(num_sms), stream);
+    // Past this barrier every peer has read this call's counts, block and input error: the error can be cleared.
+    intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream, true);
 
-    OptTensor count_matrix_host;
-    std::vector<int64_t> per_expert_list;
-    int64_t rows_out = num_worst_tokens;
     // Without the counts on the host (num_worst_tokens), a bound: each token goes to at most min(R, num_topk) ranks.
     int64_t sent_rows = static_cast<int64_t>(num_tokens) * (topk_idx ? std::min(R, num_topk) : R), most_sent = sent_rows;
-    if (num_worst_tokens == 0) {
-        wait_for_report(buffer, tag, stream, timeout_ns);
-        const intranode::CountReport& report = *buffer.report();
-        if (report.error.code != intranode::kInputOk) raise_input_error(report.error, rank, num_experts);
-        count_matrix_host = at::from_blob(const_cast<int*>(report.count_matrix), {R, R}, at::TensorOptions().dtype(at::kInt)).clone();
-        // Every rank sees the same matrix, so every rank raises together when some rank's rows do not fit.
-        const int x_row = static_cast<int>(x.size(1) * x.element_size());
-        const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
-        const int capacity = intranode::dispatch_capacity(buffer.pool().capacity(), x_row, scale_row, num_topk);
-        int64_t most = 0;
-        most_sent = 0;
-        for (int dst = 0; dst < R; ++dst) {
-            int64_t rows = 0, sent = 0;
-            for (int src = 0; src < R; ++src) {
-                rows += report.count_matrix[src * R + dst];
-                sent += report.count_matrix[dst * R + src];
-            }
-            most = std::max(most, rows);
-            most_sent = std::max(most_sent, sent);
-            if (dst == rank) rows_out = rows, sent_rows = sent;
-        }
-        if (most > capacity) {
-            const int64_t needed = intranode::dispatch_bytes(most, x_row, scale_row, num_topk, true);
-            return {x, std::nullopt, std::nullopt, std::nullopt, send_pos, send_pos, count_matrix, rank_prefix_matrix, std::nullopt,
-                    std::nullopt, {}, -1, 0, 0, needed};
-        }
-        per_expert_list.assign(report.recv_per_expert, report.recv_per_expert + num_per_expert);
-    } else {
+    if (worst) {
+        intranode::mark_padding(count_matrix.data_ptr<int>(), rank, R, static_cast<int>(num_worst_tokens), worst_out->src.data_ptr<int>(),
+                                worst_out->topk ? worst_out->topk->data_ptr<int64_t>() : nullptr,
+                                worst_out->weights ? worst_out->weights->data_ptr<float>() : nullptr, num_topk, stream);
         buffer.unchecked_report_tag = tag;
+        return {worst_out->x, worst_out->scales, worst_out->topk, worst_out->weights, worst_out->src, send_pos, count_matrix,
+                rank_prefix_matrix, recv_per_expert, std::nullopt, {}, num_worst_tokens, sent_rows, most_sent, 0};
     }
+
+    wait_for_report(buffer, tag, stream, timeout_ns);
+    const intranode::CountReport& report = *buffer.report();
+    if (report.error.code != intranode::kInputOk) {
+        pool.end_block(0);
+        raise_input_error(report.error, rank, num_experts);
+    }
+    at::Tensor count_matrix_host =
+        at::from_blob(const_cast<int*>(report.count_matrix), {R, R}, at::TensorOptions().dtype(at::kInt)).clone();
+    int64_t rows_out = 0, most = 0;
+    most_sent = 0;
+    for (int dst = 0; dst < R; ++dst) {
+        int64_t rows = 0, sent = 0;
+        for (int src = 0; src < R; ++src) {
+            rows += report.count_matrix[src * R + dst];
+            sent += report.count_matrix[dst * R + src];
+        }
+        most = std::max(most, rows);
+        most_sent = std::max(most_sent, sent);
+        if (dst == rank) rows_out = rows, sent_rows = sent;
+    }
+    std::vector<int64_t> per_expert_list(report.recv_per_expert, report.recv_per_expert + num_per_expert);
+    const intranode::ReceiveLayout layout = intranode::receive_layout(rows_out, x_row, scale_row, num_topk, true);
+    if (report.fits) {
+        ReceiveTensors out = receive_tensors(pool, block, layout, rows_out, x, scales, num_topk, true, stream);
+        pool.end_block(layout.end);
+        return {out.x, out.scales, out.topk, out.weights, out.src, send_pos, count_matrix, rank_prefix_matrix, recv_per_expert,
+                count_matrix_host, per_expert_list, rows_out, sent_rows, most_sent, 0};
+    }
+    // Some receiver's block was too small: nothing moved. Every rank sees the same counts and the same smallest pool of
+    // the group, so all take the same branch. A pool that cannot hold two such calls' outputs grows (to twice this
+    // call's, collectively): a loop that keeps its last outputs alive would otherwise evict them on every call.
+    pool.end_block(0);
+    ++buffer.dispatch_reruns;
+    const int64_t needed = intranode::dispatch_bytes(most, x_row, scale_row, num_topk, true);
+    if (2 * needed > report.min_pool_bytes)
+        return {x, std::nullopt, std::nullopt, std::nullopt, send_pos, send_pos, count_matrix, rank_prefix_matrix, std::nullopt,
+                std::nullopt, {}, -1, 0, 0, needed};
     auto [recv_x, recv_scales, recv_topk, recv_weights, recv_src] =
         dispatch(buffer, x, scales, topk_idx, topk_weights, num_local_experts, is_token_in_rank, send_pos, count_matrix, rows_out, num_sms,
                  timeout_ns, true);
@@ -265,12 +336,14 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     for (const auto* b : {&bias0, &bias1})
         if (b->has_value()) check_cuda(**b, "bias", buffer);
     const int capacity = intranode::combine_capacity(buffer.pool().capacity(), x_row, num_topk);
-    TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity, " returned rows of this shape, this combine needs ",
-                      sent_rows, "; create the Buffer with more num_nvl_bytes");
+    TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity,
+                      " returned rows of this shape, this combine needs ", sent_rows, "; create the Buffer with more num_nvl_bytes");
 
     // Room first (it may move earlier outputs, x among them, out of the pool): no data pointer is read before.
     RecvPool& pool = buffer.pool();
-    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream);
+    // The input stays in the pool if other outputs can make the room: then it is read in place (pull), not pushed.
+    pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream,
+                 {x.data_ptr(), topk_weights ? topk_weights->data_ptr() : nullptr});
     const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
     const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
     intranode::Published publish = nothing_published();
@@ -286,8 +359,9 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
 
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, &publish, stream);
     if (!pulled)
-        intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
-                                num_topk, count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
+        intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row,
+                                topk_weights ? topk_weights->data_ptr<float>() : nullptr, num_topk, count_matrix.data_ptr<int>(),
+                                static_cast<int>(num_sms), stream);
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineData, nullptr, stream);
 
     at::Tensor out = at::empty({num_tokens, hidden}, x.options());
@@ -295,9 +369,10 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
     intranode::combine_reduce(buffer.peers(), buffer.local_data() + x_offset,
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
-                              buffer.rank(), R, count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+                              x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, buffer.rank(), R,
+                              count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
-                              x.scalar_type() == at::kBFloat16 ? intranode::FloatType::kBFloat16 : intranode::FloatType::kFloat32,
+                              float_type_of(x),
                               bias0 ? bias0->data_ptr() : nullptr, bias1 ? bias1->data_ptr() : nullptr, out.data_ptr(),
                               out_weights ? out_weights->data_ptr<float>() : nullptr, num_topk, static_cast<int>(num_sms), stream);
     // Peers may be reading this rank's input until they pass this point (every rank waits, as they cannot know).
@@ -313,20 +388,28 @@ void register_intranode(py::module_& m) {
     py::class_<IpcBuffer>(m, "IpcBuffer", "One rank's CUDA-IPC buffer (signal area + data area) and its peers' mappings.")
         .def(py::init<int, int, int64_t, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_data_bytes"), py::arg("device"))
         .def("ipc_handle", [](const IpcBuffer& b) { return py::bytes(b.ipc_handle()); })
-        .def("open_peers", [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
-            std::vector<std::string> raw(handles.begin(), handles.end());
-            b.open_peers(raw);
-        })
+        .def(
+            "open_peers",
+            [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
+                std::vector<std::string> raw(handles.begin(), handles.end());
+                b.open_peers(raw);
+            },
+            py::arg("handles"))
         .def("destroy", &IpcBuffer::destroy)
         .def_property_readonly("data_bytes", &IpcBuffer::data_bytes)
+        .def_property_readonly("dispatch_reruns", [](const IpcBuffer& b) { return b.dispatch_reruns; },
+                               "Fresh dispatches whose data phase ran again because a receiver's rows did not fit where the "
+                               "count exchange laid them out (it then made room by evicting older outputs).")
         .def("dispatch_capacity",
              [](const IpcBuffer& b, int x_row_bytes, int scale_row_bytes, int num_topk) {
                  return intranode::dispatch_capacity(b.pool().capacity(), x_row_bytes, scale_row_bytes, num_topk);
-             })
+             },
+             py::arg("x_row_bytes"), py::arg("scale_row_bytes"), py::arg("num_topk"))
         .def("combine_capacity",
              [](const IpcBuffer& b, int x_row_bytes, int num_topk) {
                  return intranode::combine_capacity(b.pool().capacity(), x_row_bytes, num_topk);
-             })
+             },
+             py::arg("x_row_bytes"), py::arg("num_topk"))
         .def("poison_receive_pool", [](IpcBuffer& b, bool on) { b.pool().set_poison(on); }, py::arg("on"),
              "Tests: fill every new receive region with 0xff, so rows a kernel fails to write show up.");
     m.attr("INTRANODE_SIGNAL_BYTES") = static_cast<int64_t>(intranode::kSignalBytes);
@@ -342,8 +425,8 @@ void register_intranode(py::module_& m) {
           py::arg("num_local_experts"), py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("rows_out"),
           py::arg("num_sms"), py::arg("timeout_ns"), py::arg("fresh"), py::call_guard<py::gil_scoped_release>());
     m.def("intranode_combine", &combine, py::arg("buffer"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
-          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"), py::arg("num_sms"),
-          py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
+          py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"),
+          py::arg("num_sms"), py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace ep

@@ -20,8 +20,6 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
 // One rank's share of the symmetric low-latency buffer, its peers' direct mappings and the epochs.
 class LowLatencyBuffer {
    public:
@@ -52,7 +50,8 @@ class LowLatencyBuffer {
     int max_blocks() const { return max_blocks_; }
 
     low_latency::Layout layout(int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
-        const auto L = low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
+        const auto L =
+            low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
         TORCH_CHECK_VALUE(2 * L.half_bytes <= num_bytes_, "num_rdma_bytes: these low-latency shapes need ", 2 * L.half_bytes,
                           " bytes, the buffer has ", num_bytes_);
         return L;
@@ -88,15 +87,18 @@ class LowLatencyBuffer {
 
     void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
                        const at::Tensor& recv_x, const OptTensor& recv_scales, const at::Tensor& src_info, const at::Tensor& layout_range,
-                       const at::Tensor& recv_count, const OptTensor& cumulative_stats) {
+                       const at::Tensor& recv_count, const OptTensor& cumulative_stats, const OptTensor& wait_stats) {
         const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         for (const auto* t : {&recv_x, &src_info, &layout_range, &recv_count}) check(*t, "output");
         if (use_fp8) TORCH_CHECK_VALUE(recv_scales.has_value(), "recv_scales: required with use_fp8");
         if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
+        check_wait_stats(wait_stats, "dispatch_wait_recv_cost_stats");
         const auto L = layout(max_tokens, num_experts, hidden);
-        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(), recv_scales ? recv_scales->data_ptr() : nullptr,
-                                   src_info.data_ptr<int>(), layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
-                                   cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr, stream());
+        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(),
+                                   recv_scales ? recv_scales->data_ptr() : nullptr, src_info.data_ptr<int>(),
+                                   layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
+                                   cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
+                                   wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, stream());
     }
 
     void combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts) {
@@ -110,13 +112,15 @@ class LowLatencyBuffer {
     }
 
     void combine_recv(int64_t half_index, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
-                      int64_t max_tokens, int64_t num_experts, const at::Tensor& out, int64_t num_sms) {
+                      int64_t max_tokens, int64_t num_experts, const at::Tensor& out, int64_t num_sms, const OptTensor& wait_stats) {
         const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
         for (const auto* t : {&topk_idx, &topk_weights, &send_slot, &out}) check(*t, "combine input");
+        check_wait_stats(wait_stats, "combine_wait_recv_cost_stats");
         const auto L = layout(max_tokens, num_experts, out.size(1));
-        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), send_slot.data_ptr<int>(),
-                                  static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
-                                  static_cast<int>(num_sms), stream());
+        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
+                                  send_slot.data_ptr<int>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
+                                  out.data_ptr(), static_cast<int>(num_sms), wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr,
+                                  stream());
     }
 
     // The half's send area as the [E_local, R * T, H] bf16 combine input (zero-copy combine).
@@ -175,6 +179,13 @@ class LowLatencyBuffer {
     void check(const at::Tensor& t, const char* name) const {
         check_cuda_tensor(t, name, device_);
     }
+    // The kernels atomically add to wait_stats[r] for r < num_ranks: it must be [num_ranks] int64 and contiguous.
+    void check_wait_stats(const OptTensor& stats, const char* name) const {
+        if (!stats) return;
+        check(*stats, name);
+        TORCH_CHECK_VALUE(stats->scalar_type() == at::kLong && stats->dim() == 1 && stats->size(0) == num_ranks_ && stats->is_contiguous(),
+                          name, ": expected a contiguous [", num_ranks_, "] int64 tensor, got ", stats->scalar_type(), " ", stats->sizes());
+    }
     cudaStream_t stream() const { return c10::cuda::getCurrentCUDAStream(device_); }
 
     int rank_, num_ranks_;
@@ -197,12 +208,23 @@ void register_low_latency(py::module_& m) {
              py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"), py::arg("max_blocks"))
         .def_property_readonly("max_blocks", [](const LowLatencyBuffer& b) { return b.max_blocks(); })
         .def_property_readonly("num_direct_peers", &LowLatencyBuffer::num_direct_peers)
-        .def("half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; })
-        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::call_guard<py::gil_scoped_release>())
-        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::call_guard<py::gil_scoped_release>())
-        .def("combine_send", &LowLatencyBuffer::combine_send, py::call_guard<py::gil_scoped_release>())
-        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::call_guard<py::gil_scoped_release>())
-        .def("combine_buffer", &LowLatencyBuffer::combine_buffer)
+        .def(
+            "half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; },
+            py::arg("max_tokens"), py::arg("num_experts"), py::arg("hidden"))
+        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::arg("half_index"), py::arg("x"), py::arg("topk_idx"),
+             py::arg("max_tokens"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
+             py::arg("hidden"), py::arg("use_fp8"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
+             py::arg("layout_range"), py::arg("recv_count"), py::arg("cumulative_stats"), py::arg("wait_stats"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("combine_send", &LowLatencyBuffer::combine_send, py::arg("half_index"), py::arg("x"), py::arg("layout_range"),
+             py::arg("max_tokens"), py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
+        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::arg("half_index"), py::arg("topk_idx"), py::arg("topk_weights"),
+             py::arg("send_slot"), py::arg("max_tokens"), py::arg("num_experts"), py::arg("out"), py::arg("num_sms"), py::arg("wait_stats"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("combine_buffer", &LowLatencyBuffer::combine_buffer, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
+             py::arg("hidden"))
         .def("take_error", &LowLatencyBuffer::take_error)
         .def("grid_blocks", &LowLatencyBuffer::grid_blocks, py::arg("num_tokens"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"))

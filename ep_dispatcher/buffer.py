@@ -17,15 +17,15 @@ import torch.distributed as dist
 
 from . import config as _config
 from . import settings
-from .config import NUM_LOW_LATENCY_BUFFERS, NUM_MAX_TOPK, Config
+from .config import NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
+from .low_latency_state import LowLatencyCalls, allocate_dispatch_outputs
+from .streams import CommStream, check_event
 from .validation import (
     check_int,
     check_tensor,
     check_topk_idx_range,
-    is_capturing,
-    low_latency_topk_error,
     payload_for_backend,
     split_fp8,
 )
@@ -58,10 +58,15 @@ class Buffer:
         num_rdma_bytes: NVSHMEM buffer bytes for internode and low-latency kernels; see
             ``Config.get_rdma_buffer_size_hint`` and ``Buffer.get_low_latency_rdma_size_hint``.
         low_latency_mode: enables the ``low_latency_*`` calls.
-        num_qps_per_rank: RDMA queue pairs per peer (low-latency mode uses one per local expert).
+        num_qps_per_rank: accepted for DeepEP compatibility (checked to be >= 1, kept as ``self.num_qps_per_rank``),
+            and tunes nothing: no engine reads it (internode and low-latency traffic goes through NVSHMEM, which its
+            own environment variables configure).
         allow_nvlink_for_low_latency_mode: low-latency kernels use NVLink P2P to peers that have it.
-        allow_mnnvl: treat a multi-node NVLink domain as one node.
-        explicitly_destroy: resources are freed by ``destroy()`` rather than at garbage collection.
+        allow_mnnvl: accepted for DeepEP compatibility (kept as ``self.allow_mnnvl``), and does nothing: a node is
+            ``num_ranks_per_node`` ranks; to treat a multi-node NVLink domain as one node, set that instead.
+        explicitly_destroy: accepted for DeepEP compatibility (kept as ``self.explicitly_destroy``), and does
+            nothing: resources are always freed by ``destroy()`` (collective), or with the process; there is no
+            destructor that frees them at garbage collection.
         comm: an ``mpi4py.MPI.Comm`` used when ``group`` is None (as DeepEP): its ranks become the group (the
             default torch.distributed group is initialised from it if needed; see ``compat.group_from_comm``).
         backend: ``"auto"`` (CUDA engine when built and a GPU is visible, else reference), ``"cuda"`` or
@@ -72,6 +77,10 @@ class Buffer:
         validate_inputs: also check values that live on the device (``topk_idx`` range); costs one host
             sync per call on a GPU and is skipped automatically during CUDA-graph capture. The low-latency kernels
             check ``topk_idx`` on the device instead (always, no sync; see ``low_latency_dispatch``).
+
+    The backends' constructors also accept ``**engine_options`` (DeepEP-style extra options) and ignore them: none
+    exist. SMs: ``Buffer.num_sms`` (``set_num_sms``) feeds the default ``Config`` of every high-throughput call
+    (``get_dispatch_config`` / ``get_combine_config``); a ``config=`` passed to a call replaces it.
     """
 
     num_sms: int = 20
@@ -153,13 +162,10 @@ class Buffer:
 
             self._backend = ReferenceBackend(self.group, self.rank, self.group_size, self.num_ranks_per_node)
         self.buffer_id = next(_buffer_ids)
-        self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._comm = CommStream()  # the communication stream, created on first use
         self._local_buffers: dict = {}  # get_local_buffer_tensor's scratch tensors, by which size they mirror
         self._destroyed = False
-        self._ll_half = 0  # which half of the double-buffered low-latency area the next LL call uses
-        self._ll_half_pending = [False] * NUM_LOW_LATENCY_BUFFERS  # half -> an issued call's hook has not run
-        self._ll_shape: Optional[tuple] = None  # (max_tokens, hidden, num_experts) of the last low-latency call
-        self._ll_sized_shapes: set = set()  # shapes _check_low_latency has found the buffer large enough for
+        self._ll = LowLatencyCalls(self._backend, self.clean_low_latency_buffer)  # halves, hooks, shape, receipts
 
     # ------------------------------------------------------------------ properties and static helpers
     @property
@@ -182,10 +188,9 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """SMs used by high-throughput kernels of every buffer (even: one sender and one receiver per channel)."""
-        check_int("new_num_sms", new_num_sms, minimum=2)
-        if new_num_sms % 2 != 0:
-            raise ValueError(f"new_num_sms: expected an even number, got {new_num_sms}")
+        """The most SMs the high-throughput kernels of every buffer occupy (any positive count; DeepEP's even-count
+        rule comes from its sender/receiver channel pairs, which our engines do not have)."""
+        check_int("new_num_sms", new_num_sms, minimum=1)
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -234,9 +239,7 @@ class Buffer:
         """The stream this buffer runs its calls on (created on first use; high priority). ``None`` without CUDA."""
         if not torch.cuda.is_available():
             return None
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device(), priority=-1)
-        return self._comm_stream
+        return self._comm.get(torch.cuda.current_device())
 
     def get_local_buffer_tensor(
         self,
@@ -326,13 +329,7 @@ class Buffer:
         return handle
 
     def _check_event(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError(
-                "allocate_on_comm_stream: needs previous_event and async_finish=True (the outputs then "
-                "belong to the communication stream until the returned event is waited on)"
-            )
+        check_event(previous_event, async_finish, allocate_on_comm_stream)
 
     def _run(
         self,
@@ -343,41 +340,9 @@ class Buffer:
         inputs: Sequence,
         call: Callable,
     ):
-        """Run ``call`` on the communication stream after ``previous_event`` (or the current stream); a call with
-        neither ``previous_event`` nor ``async_finish`` runs on the current stream itself (same order, less work).
-
-        Returns ``(result, EventOverlap)``. On CPU the call is synchronous and the event empty.
-        """
+        """``call`` on the right stream (``streams.CommStream.run``); returns ``(result, EventOverlap)``."""
         self._check_alive()
-        if device.type != "cuda":
-            return call(), EventOverlap()
-        if previous_event is None and not async_finish:
-            # The caller waits for the result anyway: on the current stream the call is ordered exactly as it would
-            # be through the communication stream, without the stream switch and the two cross-stream waits.
-            return call(), EventOverlap()
-        compute = torch.cuda.current_stream(device)
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=device, priority=-1)  # high priority: comm gates compute
-        comm = self._comm_stream
-        if previous_event is not None and previous_event.cuda_event is not None:
-            comm.wait_event(previous_event.cuda_event)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            result = call()
-        outputs = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
-        if not allocate_on_comm_stream:
-            for t in outputs:
-                t.record_stream(compute)  # outputs are used (and freed) on the compute stream
-        if async_finish:
-            for t in _flatten(inputs):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(comm)  # inputs stay allocated until the comm stream is done reading them
-            event = torch.cuda.Event()
-            event.record(comm)
-            return result, EventOverlap(event, [t for t in _flatten(inputs) if isinstance(t, torch.Tensor)] + outputs)
-        compute.wait_stream(comm)
-        return result, EventOverlap()
+        return self._comm.run(device, previous_event, async_finish, allocate_on_comm_stream, inputs, call)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(
@@ -521,6 +486,12 @@ class Buffer:
             )
             return wrap(recv, recv_scales), None, None, None, None, event
 
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() >= 1 and topk_idx.size(0) != num_tokens:
+            # Checked before is_token_in_rank, which get_dispatch_layout built from topk_idx: name the user's tensors.
+            raise ValueError(
+                f"x, topk_idx: x has {num_tokens} rows (tokens) but topk_idx has {topk_idx.size(0)}; expected one "
+                "topk_idx row per token of x"
+            )
         check_tensor(
             "is_token_in_rank", is_token_in_rank, dtypes=torch.bool, shape=(num_tokens, self.group_size), device=device
         )
@@ -604,7 +575,6 @@ class Buffer:
             call,
         )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
-        new_handle.rank, new_handle.num_ranks_per_node = self.rank, self.num_ranks_per_node  # for its tuple view
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
     # DeepEP's internode_dispatch takes dispatch's arguments in this order, without num_worst_tokens.
@@ -701,7 +671,7 @@ class Buffer:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency calls need Buffer(..., low_latency_mode=True, num_rdma_bytes=...)")
         shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if shape in self._ll_sized_shapes:  # checked before: the size hint is Python arithmetic worth skipping per call
+        if shape in self._ll.sized_shapes:  # checked before: the size hint is Python arithmetic worth skipping per call
             return
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
@@ -717,82 +687,12 @@ class Buffer:
                 f"least {need} bytes (Buffer.get_low_latency_rdma_size_hint), but the Buffer was created "
                 f"with num_rdma_bytes={self.num_rdma_bytes}"
             )
-        self._ll_sized_shapes.add(shape)
-
-    def _raise_low_latency_error(self, pending_hook: Optional[Callable[[], None]] = None) -> None:
-        """Raise the ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel has reported, if any.
-
-        The record sits in host-mapped memory, so reading it costs no sync; it is read after each low-latency launch
-        and in each hook. The call that raises has launched all its kernels, and ``pending_hook`` (its own receive
-        phase) is run first, so the peers' kernels never wait for this rank: the ranks stay in step.
-        """
-        take = getattr(self._backend, "take_low_latency_error", None)
-        found = take() if take is not None else None
-        if found is None:
-            return
-        if pending_hook is not None:
-            pending_hook()
-        num_experts = self._ll_shape[2] if self._ll_shape is not None else 0
-        raise low_latency_topk_error(*found, num_experts=num_experts)
-
-    def _enter_low_latency_shape(self, shape: tuple) -> None:
-        # The buffer is laid out per (max_tokens, hidden, num_experts), signals at shape-dependent offsets: a call of
-        # another shape than the last first cleans it (collective: every rank makes the same calls), so bytes of the
-        # old layout cannot pass for a signal. That erases what a pending hook is still to receive, and is a host
-        # sync, which a CUDA graph cannot hold.
-        if self._ll_shape is None or shape == self._ll_shape:
-            self._ll_shape = shape
-            return
-        if self.num_pending_low_latency_hooks:
-            raise RuntimeError(
-                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) = {shape} differs from "
-                f"the previous call's {self._ll_shape} while {self.num_pending_low_latency_hooks} hook(s) have not "
-                "run; run the pending hooks before changing the shape"
-            )
-        if is_capturing():
-            raise RuntimeError(
-                f"low-latency call: (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed from "
-                f"{self._ll_shape} to {shape} during CUDA-graph capture; the buffer must be cleaned (a host sync) "
-                "first: make one eager call of the new shape before capturing"
-            )
-        self.clean_low_latency_buffer(*shape)
+        self._ll.sized_shapes.add(shape)
 
     @property
     def num_pending_low_latency_hooks(self) -> int:
         """Low-latency calls whose hook has not run yet (at most ``NUM_LOW_LATENCY_BUFFERS``)."""
-        return sum(self._ll_half_pending)
-
-    def _take_low_latency_half(self) -> int:
-        # Halves are handed out in turn, so the half a new call gets is the one of the call two before it: if that
-        # call's hook has not run, its unread data would be overwritten (also when a newer hook already ran).
-        half = self._ll_half
-        if self._ll_half_pending[half]:
-            raise RuntimeError(
-                f"low-latency call: buffer half {half} still holds an earlier call whose hook has not run "
-                f"({self.num_pending_low_latency_hooks} pending); only {NUM_LOW_LATENCY_BUFFERS} calls can "
-                "be in flight (the buffer is double-buffered) and they complete oldest first: call the "
-                "oldest pending hook first"
-            )
-        self._ll_half = (half + 1) % NUM_LOW_LATENCY_BUFFERS
-        return half
-
-    def _make_hook(self, receive: Callable[[], None], return_recv_hook: bool, half: int):
-        if not return_recv_hook:
-            receive()
-            return None
-        self._ll_half_pending[half] = True
-        state = {"called": False}
-
-        def hook() -> None:
-            """Run the receive phase of the low-latency call that returned this hook (exactly once)."""
-            if state["called"]:
-                raise RuntimeError("hook: already called; each low-latency hook runs its receive phase exactly once")
-            state["called"] = True
-            self._ll_half_pending[half] = False
-            receive()
-            self._raise_low_latency_error()
-
-        return hook
+        return self._ll.num_pending
 
     def low_latency_dispatch(
         self,
@@ -821,8 +721,12 @@ class Buffer:
             return_recv_hook: launch only the send phase and return ``hook``; ``hook()`` runs the receive phase.
             cumulative_local_expert_recv_stats: optional ``[num_local_experts] int32``, incremented by ``recv_count``.
             dispatch_wait_recv_cost_stats: optional ``[num_ranks] int64`` (DeepEP's check; its docstring says
-                ``[num_ranks, num_ranks]``): time spent waiting for each source rank's data, accumulated. See
-                ``_add_wait_cost`` for what each backend adds.
+                ``[num_ranks, num_ranks]``): time the receive phase spent waiting for each source rank's data,
+                accumulated (``stats[r] +=``), as DeepEP. The CUDA engine adds the SM clock cycles (``clock64``) its
+                receive kernel spun on each (local expert, source rank) count, one add per count, in the receive
+                kernel itself (no extra kernel, no host sync; captured in CUDA graphs; with ``return_recv_hook`` the
+                hook's kernel adds them). The reference backend adds 0 to every rank: it receives through a blocking
+                collective, which exposes no per-peer wait to measure.
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``[E_local, num_ranks * max_tokens, hidden]``
             bf16, or with FP8 a pair ``(float8 data, scales)`` where scales are ``[E_local, num_ranks * max_tokens,
@@ -860,25 +764,14 @@ class Buffer:
                 device=x.device,
             )
         self._check_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, x.device)
-        self._enter_low_latency_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
-        half = self._take_low_latency_half()
+        self._ll.enter_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        half = self._ll.take_half()
 
         num_slots = self.group_size * num_max_dispatch_tokens_per_rank
         device = x.device
-        if use_fp8:
-            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn, device=device)
-            groups = hidden // 512 if use_ue8m0 else hidden // 128
-            scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-            recv_scales = torch.empty(
-                (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
-            ).transpose(1, 2)
-            if groups == 1:
-                # Same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps it,
-                # and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.
-                recv_scales = recv_scales.as_strided((num_local_experts, num_slots, 1), (num_slots, 1, 1))
-        else:
-            recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device=device)
-            recv_scales = None
+        recv_data, recv_scales = allocate_dispatch_outputs(
+            num_local_experts, num_slots, hidden, use_fp8, use_ue8m0, device
+        )
         handle, receive = self._backend.low_latency_dispatch(
             x,
             topk_idx,
@@ -890,18 +783,15 @@ class Buffer:
             self.buffer_id,
             half=half,
             cumulative_stats=cumulative_local_expert_recv_stats,
+            wait_stats=dispatch_wait_recv_cost_stats,
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
-        handle.received = not return_recv_hook  # combine refuses a handle whose receive phase has not run
-
         def finish() -> None:
             receive(recv_data, recv_scales, recv_count)
-            self._add_wait_cost(dispatch_wait_recv_cost_stats)
-            handle.received = True
 
-        hook = self._make_hook(finish, return_recv_hook, half)
-        self._raise_low_latency_error(pending_hook=hook)
+        hook = self._ll.make_hook(finish, return_recv_hook, half, handle=handle)
+        self._ll.raise_reported_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count, handle, event, hook
@@ -909,17 +799,6 @@ class Buffer:
     def _check_wait_cost_stats(self, name: str, stats: Optional[torch.Tensor], device: torch.device) -> None:
         if stats is not None:
             check_tensor(name, stats, dtypes=torch.int64, shape=(self.group_size,), device=device)
-
-    def _add_wait_cost(self, stats: Optional[torch.Tensor]) -> None:
-        """Accumulate the receive wait per source rank into a ``*_wait_recv_cost_stats`` tensor.
-
-        DeepEP adds the GPU clock cycles (``clock64``) its receive warps spin for each source rank's signal. The
-        reference backend receives through a blocking collective, which exposes no per-peer wait: it adds 0 to every
-        rank (defined, so a caller's monitoring sees "no rank was slow"). The CUDA engine adds the same 0 until its
-        receive kernels report their spin cycles (a gap recorded in docs/deepep_compat.md).
-        """
-        if stats is not None:
-            stats.add_(self._backend.receive_wait_cycles(self.group_size, stats.device))
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, num_ranks * max_tokens, hidden] bfloat16`` buffer the next ``low_latency_combine`` reads
@@ -931,7 +810,7 @@ class Buffer:
             self.group_size * handle.num_max_dispatch_tokens_per_rank,
             handle.hidden,
         )
-        return self._backend.low_latency_combine_buffer(self._ll_half, shape, handle.src_info.device)
+        return self._backend.low_latency_combine_buffer(self._ll.next_half, shape, handle.src_info.device)
 
     def low_latency_combine(
         self,
@@ -957,7 +836,9 @@ class Buffer:
             use_logfmt: send the expert outputs in DeepEP's LogFMT-10 format (``ep_dispatcher.logfmt``): each
                 128-channel group below 1 in magnitude is rounded to the format before the sum.
             out: optional ``[num_tokens, hidden] bfloat16`` destination.
-            combine_wait_recv_cost_stats: optional ``[num_ranks] int64``, see ``low_latency_dispatch``.
+            combine_wait_recv_cost_stats: optional ``[num_ranks] int64``, accumulated as in ``low_latency_dispatch``:
+                the CUDA engine adds the ``clock64`` cycles its receive kernel spun on each expert's flag to the rank
+                that holds the expert (one add per expert); the reference backend adds 0.
         Returns:
             ``(combined_x [num_tokens, hidden] bfloat16, event, hook)``.
         """
@@ -968,7 +849,7 @@ class Buffer:
         expected_shape = (num_local_experts, num_slots, handle.hidden)
         check_tensor("x", x, dtypes=torch.bfloat16, shape=expected_shape, contiguous=not zero_copy)
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        if not handle.received:
+        if not self._ll.is_received(handle):
             raise RuntimeError(
                 "handle: the receive hook of the low_latency_dispatch that made it has not run; call that hook() "
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
@@ -992,16 +873,17 @@ class Buffer:
             # An extra pass over the expert outputs before the combine kernel (in place on the zero-copy buffer,
             # which is ours); a fused encode in the send kernel would save it.
             x = self._backend.logfmt_roundtrip(x, inplace=zero_copy)
-        self._enter_low_latency_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
-        half = self._take_low_latency_half()
-        receive = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, half=half)
+        self._ll.enter_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
+        half = self._ll.take_half()
+        receive = self._backend.low_latency_combine(
+            x, topk_idx, topk_weights, handle, half=half, wait_stats=combine_wait_recv_cost_stats
+        )
 
         def finish() -> None:
             receive(out)
-            self._add_wait_cost(combine_wait_recv_cost_stats)
 
-        hook = self._make_hook(finish, return_recv_hook, half)
-        self._raise_low_latency_error(pending_hook=hook)
+        hook = self._ll.make_hook(finish, return_recv_hook, half)
+        self._ll.raise_reported_error(pending_hook=hook)
         event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
         return out, event, hook
 
@@ -1014,17 +896,8 @@ class Buffer:
                 f"clean_low_latency_buffer: {self.num_pending_low_latency_hooks} low-latency hook(s) have not run; "
                 "cleaning would erase the data they are to receive. Run them first"
             )
-        self._ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._ll.shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         clean = getattr(self._backend, "clean_low_latency_buffer", None)
         if clean is not None:
             clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-
-def _flatten(obj):
-    if isinstance(obj, (DispatchHandle, LowLatencyHandle)):
-        return  # handles are tuples too; their tensors are the backend's, not this call's outputs
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _flatten(item)
-    else:
-        yield obj

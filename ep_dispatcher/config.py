@@ -39,11 +39,14 @@ def per_token_bytes(hidden_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """Launch configuration of one high-throughput kernel.
+    """Launch configuration of one high-throughput call.
 
-    num_sms: SMs the kernel occupies (even; channels = num_sms / 2, one sender and one receiver block each).
-    num_max_*_chunked_send_tokens: tokens a sender pushes before publishing the tail counter.
-    num_max_*_chunked_recv_tokens: ring-buffer depth (tokens) per (channel, peer).
+    num_sms: the most SMs (thread blocks) a data kernel of the call occupies; any positive count (DeepEP demands an
+        even one, one sender and one receiver block per channel: ours has no channels).
+    num_max_*_chunked_send_tokens, num_max_*_chunked_recv_tokens: DeepEP's ring-queue parameters (tokens a sender
+        pushes before publishing its tail; ring depth per channel and peer). Accepted and checked as DeepEP does, so
+        DeepEP code and its tuned tables run unchanged, but our engines have no ring: they only feed the DeepEP-sized
+        ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint`` (without ``num_max_tokens_per_rank``).
     """
 
     num_sms: int = 20
@@ -63,11 +66,6 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
-        if self.num_sms % 2 != 0:
-            raise ValueError(
-                f"Config.num_sms: expected an even number (one sender + one receiver block per channel), "
-                f"got {self.num_sms}"
-            )
         if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
             raise ValueError(
                 "Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens "
@@ -81,7 +79,8 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        return self.num_sms // 2
+        """DeepEP's channel count for this SM count (its ring-queue sizes scale with it)."""
+        return max(1, self.num_sms // 2)
 
     def get_nvl_buffer_size_hint(
         self, hidden_bytes: int, num_ranks: int, num_max_tokens_per_rank: Optional[int] = None

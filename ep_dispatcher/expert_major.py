@@ -40,7 +40,7 @@ _FLOAT8_DTYPES = tuple(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExpertMajorLayout:
     """Where each received (token, top-k slot) lies in the expert-major tensor (see the module docstring).
 
@@ -99,6 +99,24 @@ def expert_major_layout(
         num_rows=num_rows,
         num_topk=num_topk,
         expert_alignment=expert_alignment,
+    )
+
+
+def to_expert_major(dispatch_result: tuple, num_local_experts: int, expert_alignment: int) -> tuple:
+    """A normal dispatch's result ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list,
+    handle)`` made expert-major: ``recv_x`` / ``recv_x_scales`` permuted to ``[M, ...]`` rows, the top-k outputs and
+    the count list as they are, and a new handle carrying the layout (``handle.expert_major``). This is the
+    specification of ``dispatch(..., expert_major=True)``; the reference backend and the CUDA backend's fallback both
+    run it."""
+    recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle = dispatch_result
+    layout = expert_major_layout(recv_topk_idx, num_local_experts, expert_alignment, sum(per_expert_list))
+    return (
+        permute_rows(recv, layout),
+        permute_rows(recv_scales, layout),
+        recv_topk_idx,
+        recv_topk_weights,
+        per_expert_list,
+        handle.with_expert_major(layout),
     )
 
 

@@ -8,7 +8,13 @@ elements it has no counterpart for (DeepEP's per-channel ring-buffer matrices an
 row straight to its final place, with no channels) are *stand-ins*, computed on first access from the real fields
 with the meaning each docstring below states, so that a handle costs nothing extra on the hot path. The typed
 fields (``handle.rank_prefix_matrix``, ``handle.recv_src_idx``, ...) are what our own code reads;
-``backend_state`` holds whatever extra a backend keeps and is opaque to callers.
+``backend_state`` is a frozen dataclass of the backend engine that made the handle (``ReferenceDispatchState``,
+``IntranodeState``, ``InternodeState``, ``LowLatencyState``, ...: what its cached dispatches and combine reuse),
+opaque to callers.
+
+Handles are not changed after a backend returns them (the stand-ins cache aside): a backend that needs another
+view of a handle makes a new one (``DispatchHandle.with_backend_state``), and whether a low-latency handle's receive
+phase has run is tracked by the ``Buffer`` (``low_latency_state.LowLatencyCalls``), not stored in the handle.
 
 Tuple behaviour: ``len``, indexing (also negative and slices), iteration and unpacking, ``isinstance(h, tuple)``.
 Two handles compare equal only if they are the same object (their elements are tensors).
@@ -16,9 +22,13 @@ Two handles compare equal only if they are the same object (their elements are t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # expert_major imports nothing from here; the annotation only
+    from .expert_major import ExpertMajorLayout
 
 
 class _TupleHandle(tuple):
@@ -107,6 +117,8 @@ def _short(value) -> str:
         return f"tensor{list(value.shape)}:{str(value.dtype).replace('torch.', '')}"
     if isinstance(value, dict):
         return "{...}"
+    if dataclasses.is_dataclass(value):
+        return f"{type(value).__name__}(...)"
     return repr(value)
 
 
@@ -131,10 +143,12 @@ class DispatchHandle(_TupleHandle):
         num_recv_tokens_per_expert: ``[num_local_experts] int32`` device tensor, counts rounded up to
             ``expert_alignment`` (``None`` when dispatched without ``num_tokens_per_expert``); read it instead of the
             host list to avoid a host sync.
-        rank, num_ranks_per_node: set by the ``Buffer`` (``rank = -1`` until then).
-        expert_major: ``None``, or the ``ExpertMajorLayout`` of a ``dispatch(..., expert_major=True)`` (fused
+        rank, num_ranks_per_node: of the backend that made it (``rank = -1``: unknown, the tuple view then refuses the
+            stand-ins that need it).
+        expert_major: ``None``, or the ``ExpertMajorLayout`` (frozen) of a ``dispatch(..., expert_major=True)`` (fused
             permute): its ``recv_x`` was expert-major ``[M, hidden]``, so is a cached dispatch's output with this
             handle, and ``combine`` takes an expert-major ``[M, hidden]`` input (see ``ep_dispatcher/expert_major.py``).
+            Set at construction (``with_expert_major`` makes a new handle); a returned handle is not mutated.
 
     As a tuple, within one node (DeepEP's intranode handle, 6 items):
         0 ``rank_prefix_matrix`` (real);
@@ -199,6 +213,7 @@ class DispatchHandle(_TupleHandle):
         backend_state: Any = None,
         rank: int = -1,
         num_ranks_per_node: Optional[int] = None,
+        expert_major: Optional["ExpertMajorLayout"] = None,
     ):
         self.buffer_id = buffer_id
         self.num_ranks = num_ranks
@@ -212,7 +227,34 @@ class DispatchHandle(_TupleHandle):
         self.backend_state = backend_state
         self.rank = rank
         self.num_ranks_per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
-        self.expert_major = None  # an ExpertMajorLayout after dispatch(..., expert_major=True)
+        self.expert_major = expert_major
+
+    def with_backend_state(self, backend_state: Any) -> "DispatchHandle":
+        """A new handle with the same layout and another ``backend_state`` (this one is left as it is)."""
+        return self._copy(backend_state=backend_state)
+
+    def with_expert_major(self, expert_major: Optional["ExpertMajorLayout"]) -> "DispatchHandle":
+        """A new handle with the same layout and state whose receive rows are ``expert_major``'s (fused permute)."""
+        return self._copy(expert_major=expert_major)
+
+    def _copy(self, **changes: Any) -> "DispatchHandle":
+        fields = dict(
+            buffer_id=self.buffer_id,
+            num_ranks=self.num_ranks,
+            rank_prefix_matrix=self.rank_prefix_matrix,
+            recv_src_idx=self.recv_src_idx,
+            is_token_in_rank=self.is_token_in_rank,
+            num_recv_tokens=self.num_recv_tokens,
+            num_recv_tokens_per_expert=self.num_recv_tokens_per_expert,
+            num_worst_tokens=self.num_worst_tokens,
+            expert_alignment=self.expert_alignment,
+            backend_state=self.backend_state,
+            rank=self.rank,
+            num_ranks_per_node=self.num_ranks_per_node,
+            expert_major=self.expert_major,
+        )
+        fields.update(changes)
+        return DispatchHandle(**fields)
 
     @property
     def deepep_names(self) -> Tuple[str, ...]:  # type: ignore[override]
@@ -325,7 +367,6 @@ class LowLatencyHandle(_TupleHandle):
         num_tokens: int,
         num_topk: int,
         backend_state: Any = None,
-        received: bool = True,
     ):
         self.buffer_id = buffer_id
         self.src_info = src_info
@@ -336,7 +377,6 @@ class LowLatencyHandle(_TupleHandle):
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.backend_state = backend_state
-        self.received = received  # False until the receive phase (the hook) of the dispatch that made it has run
 
     def _element(self, index: int):
         return getattr(self, self.deepep_names[index])

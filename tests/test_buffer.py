@@ -186,7 +186,11 @@ def test_dispatch_rejects_bad_layout_and_topk(group):
             ValueError,
             r"topk_weights: expected a tensor \(topk_idx and topk_weights go together\)",
         ),
-        (dict(topk_idx=topk_idx[:4].contiguous()), ValueError, r"topk_idx: expected shape \[6, \*\], got \[4, 2\]"),
+        (
+            dict(topk_idx=topk_idx[:4].contiguous()),
+            ValueError,
+            r"x, topk_idx: x has 6 rows \(tokens\) but topk_idx has 4; expected one topk_idx row per token of x",
+        ),
         (dict(expert_alignment=0), ValueError, r"expert_alignment: expected >= 1, got 0"),
         (dict(num_worst_tokens=-3), ValueError, r"num_worst_tokens: expected >= 0, got -3"),
         (dict(config="fast"), TypeError, r"config: expected an ep_dispatcher.Config or None, got str"),
@@ -202,6 +206,19 @@ def test_dispatch_rejects_bad_layout_and_topk(group):
         kwargs.update(override)
         with pytest.raises(exc, match=pattern):
             buf.dispatch(x, **kwargs)
+
+
+def test_dispatch_names_x_and_topk_idx_when_their_rows_differ(group):
+    """The layout comes from topk_idx: an x of another token count is reported as x vs topk_idx, not as a wrong
+    is_token_in_rank shape (an argument the user did not build by hand)."""
+    buf = _buffer()
+    x, topk_idx, topk_weights = _routing(11)
+    layout = _layout(buf, topk_idx)
+    pattern = r"x, topk_idx: x has 4 rows \(tokens\) but topk_idx has 6; expected one topk_idx row per token of x"
+    with pytest.raises(ValueError, match=pattern):
+        buf.dispatch(x[:4].contiguous(), topk_idx=topk_idx, topk_weights=topk_weights, **layout)
+    with pytest.raises(ValueError, match=pattern):  # the FP8 pair form counts the rows of its data
+        buf.dispatch(per_token_cast_to_fp8(x[:4].contiguous()), topk_idx=topk_idx, topk_weights=topk_weights, **layout)
 
 
 def test_reference_buffer_needs_no_nvl_bytes(group):
@@ -309,6 +326,22 @@ def test_low_latency_rejects_bad_inputs(group):
             ValueError,
             r"cumulative_local_expert_recv_stats: expected shape \[8\], got \[9\]",
         ),
+        # [num_ranks] int64 as DeepEP's C++ checks (one rank here); a wrong dtype is a TypeError, as for every tensor.
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64)),
+            ValueError,
+            r"dispatch_wait_recv_cost_stats: expected shape \[1\], got \[2\]",
+        ),
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int32)),
+            TypeError,
+            r"dispatch_wait_recv_cost_stats: expected dtype torch.int64, got torch.int32",
+        ),
+        (
+            dict(dispatch_wait_recv_cost_stats=torch.zeros(1, 1, dtype=torch.int64)),
+            ValueError,
+            r"dispatch_wait_recv_cost_stats: expected shape \[1\], got \[1, 1\]",
+        ),
     ]
     for override, exc, pattern in cases:
         kwargs = dict(x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=E)
@@ -325,6 +358,16 @@ def test_low_latency_rejects_bad_inputs(group):
     with pytest.raises(ValueError, match=r"combine_wait_recv_cost_stats: expected shape \[1\], got \[2\]"):
         buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
                                 combine_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"combine_wait_recv_cost_stats: expected dtype torch.int64, got torch.float32"):
+        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
+                                combine_wait_recv_cost_stats=torch.zeros(1, dtype=torch.float32))
+    # The reference backend adds 0 per rank (no per-peer wait to measure) and leaves the rest of the tensor alone.
+    wait_stats = torch.full((1,), 5, dtype=torch.int64)
+    buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=wait_stats)
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True,
+                                                     dispatch_wait_recv_cost_stats=wait_stats)
+    hook()
+    assert wait_stats.tolist() == [5]
     with pytest.raises(ValueError, match=r"topk_idx: expected shape \[6, 2\] \(as dispatched\), got \[6, 1\]"):
         buf.low_latency_combine(recv_x, topk_idx[:, :1].contiguous(), topk_weights, handle)
     with pytest.raises(ValueError, match=r"out: expected shape \[6, 128\], got \[5, 128\]"):
@@ -406,7 +449,7 @@ def test_low_latency_device_reported_topk_errors(group):
     reports.append((2, 0, 1, 5))
     with pytest.raises(ValueError, match=r"topk_idx: token 0 lists an expert more than once \(expert 5 again at k 1\)"):
         hook()
-    assert handle.received and buf.num_pending_low_latency_hooks == 0
+    assert buf.num_pending_low_latency_hooks == 0  # and the handle counts as received: the combine below takes it
 
     reports.append((3, 2, 0, -7))
     pattern = r"got -7 \(token 2, k 0\); found on the GPU by the low-latency combine kernel"
@@ -428,8 +471,9 @@ def test_low_latency_topk_error_messages():
 
 # ---------------------------------------------------------------- helpers
 def test_config_validation_and_hints():
-    with pytest.raises(ValueError, match=r"Config.num_sms: expected an even number"):
-        Config(num_sms=7)
+    assert Config(num_sms=7).num_sms == 7  # no channel pairs: any positive SM count
+    with pytest.raises(ValueError, match=r"Config.num_sms: expected a positive int"):
+        Config(num_sms=0)
     with pytest.raises(
         ValueError, match=r"Config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens"
     ):
@@ -455,8 +499,10 @@ def test_tuned_configs_load_and_set_num_sms():
         assert cfg.num_sms == 24 and cfg.num_max_nvl_chunked_recv_tokens == 256
         assert Buffer.get_combine_config(8).num_max_nvl_chunked_send_tokens == 4  # from configs/default.json
         assert Buffer.get_dispatch_config(3) == Buffer.get_dispatch_config(4)  # next tuned rank count up
-        with pytest.raises(ValueError, match=r"new_num_sms: expected an even number, got 5"):
-            Buffer.set_num_sms(5)
+        Buffer.set_num_sms(5)  # odd counts are fine: no sender/receiver channel pairs
+        assert Buffer.get_dispatch_config(8).num_sms == 5
+        with pytest.raises(ValueError, match=r"new_num_sms"):
+            Buffer.set_num_sms(0)
     finally:
         Buffer.set_num_sms(old)
 

@@ -1,9 +1,12 @@
-"""Host-side pieces of the CUDA backend that run without a GPU: the internode send positions."""
+"""Host-side pieces of the CUDA backend that run without a GPU: the internode send positions, the routing between
+the engines and the reference backend it holds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from ep_dispatcher.handles import DispatchHandle
 
 cuda_backend = pytest.importorskip("ep_dispatcher.backends.cuda", exc_type=ImportError)
 
@@ -27,3 +30,75 @@ def test_internode_send_positions_match_a_loop(num_tokens: int, num_ranks: int, 
             assert int(rdma_send_pos[t, n]) == (node_seen[n] if hit else -1)
             node_seen[n] += int(hit)
     assert per_rank.tolist() == rank_seen and per_node_counts.tolist() == node_seen
+
+
+class _FakeEngine:
+    """Stands for an engine in the routing table: it claims the handles whose state is ``owned``."""
+
+    combine_dtypes = cuda_backend.COMBINE_DTYPES
+
+    def __init__(self, owned: type):
+        self.owned = owned
+
+    def made(self, state: object) -> bool:
+        return isinstance(state, self.owned)
+
+
+def _handle(state) -> DispatchHandle:
+    in_rank = torch.tensor([[True], [False], [True]])
+    return DispatchHandle(
+        buffer_id=1, num_ranks=1, rank_prefix_matrix=torch.tensor([[2]], dtype=torch.int32),
+        recv_src_idx=torch.tensor([0, 2], dtype=torch.int32), is_token_in_rank=in_rank, num_recv_tokens=2,
+        num_recv_tokens_per_expert=None, backend_state=state, rank=0, num_ranks_per_node=1,
+    )
+
+
+def test_backends_follow_the_interface(group) -> None:
+    from ep_dispatcher.backends.base import Backend
+    from ep_dispatcher.backends.reference import ReferenceBackend
+
+    assert isinstance(ReferenceBackend(group, 0, 1, 1), Backend)
+    assert isinstance(cuda_backend.CudaBackend(group, 0, 1, 1), Backend)
+
+
+def test_routing_falls_back_to_the_reference_in_one_place(group) -> None:
+    """Which engine serves a call: no GPU needed, the routing is host logic (engines stood in for by fakes)."""
+    from ep_dispatcher.backends.reference import ReferenceDispatchState
+
+    backend = cuda_backend.CudaBackend(group, 0, 1, 1)  # no bytes: no engine but the layout kernel
+    assert backend.engine_calls() == ("get_dispatch_layout",)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert backend._route("dispatch", gpu) is None and backend._route("get_dispatch_layout", cpu) is None
+    assert backend._route("get_dispatch_layout", gpu) is backend.layout
+
+    engine = backend.intranode = _FakeEngine(cuda_backend.IntranodeState)
+    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine")
+    state = cuda_backend.IntranodeState(
+        count_matrix=torch.tensor([[2]], dtype=torch.int32), count_matrix_host=None,
+        send_pos=torch.tensor([[0], [-1], [1]], dtype=torch.int32), sent_rows=None, most_sent=2,
+    )
+    engine_handle = _handle(state)
+    assert backend._route("dispatch", gpu) is engine
+    assert backend._route("dispatch", cpu) is None, "CPU tensors: the reference"
+    for dtype in (torch.bfloat16, torch.float32):
+        assert backend._route("combine", gpu, handle=engine_handle, dtype=dtype) is engine
+    for dtype in (torch.float16, torch.float64):
+        assert backend._route("combine", gpu, handle=engine_handle, dtype=dtype) is None, f"{dtype}: the reference"
+    reference_handle = _handle(ReferenceDispatchState(torch.tensor([0, 2]), [2], [2], 2))
+    assert backend._route("cached_dispatch", gpu, handle=reference_handle) is None, "a handle the reference made"
+
+    # The reference view of an engine handle is a new handle; the engine's handle is left as it was.
+    view = cuda_backend.reference_view(engine_handle, rank=0)
+    assert view is not engine_handle and engine_handle.backend_state is state
+    assert isinstance(view.backend_state, ReferenceDispatchState)
+    assert view.backend_state.send_idx.tolist() == [0, 2] and view.backend_state.num_recv == 2
+    assert view.backend_state.send_counts == [2] and view.backend_state.recv_counts == [2]
+    assert cuda_backend.reference_view(reference_handle, rank=0) is reference_handle
+
+    # fp16 / fp64 combine through the routing equals the reference's, on the same handle.
+    g = torch.Generator().manual_seed(17)
+    for dtype in (torch.float16, torch.float64):
+        y = torch.randn((2, 8), generator=g).to(dtype)
+        expected, _ = backend.reference.combine(y, view, None, [])
+        combined, _ = backend.combine(y, engine_handle, None, [])
+        assert torch.equal(combined, expected) and combined.dtype == dtype

@@ -1,18 +1,19 @@
-// Shared host/device helpers for every kernel family: error reporting and launch constants.
-// Kept free of torch headers so that kernels and runtime code can include it cheaply.
+// Shared host/device helpers for every kernel family: error reporting, grid sizing and alignment arithmetic (the
+// constants themselves are in constants.h). Kept free of torch headers so that kernels and runtime code can include it
+// cheaply.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
-namespace ep {
+#include "constants.h"
 
-// Threads per block for the bookkeeping kernels (layout, notify): 8 warps give each SM enough loads in
-// flight to hide global-memory latency, while a block's shared counters and __syncthreads stay cheap.
-constexpr int kNumThreadsPerBlock = 256;
+namespace ep {
 
 // Thrown by EP_HOST_ASSERT / EP_CUDA_CHECK. It derives from std::runtime_error, which pybind11 turns into
 // Python's RuntimeError with the message intact.
@@ -68,5 +69,12 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 
 // Rounds `value` up to a multiple of `alignment` (buffer region offsets).
 __host__ __device__ constexpr int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+// Grid of a data kernel that gives each work item (token, row) one warp of a kDataThreadsPerBlock block: enough blocks
+// for every item, at most num_sms, at least one.
+inline int data_grid(int num_sms, int64_t work_items) {
+    const int64_t needed = ceil_div<int64_t>(std::max<int64_t>(work_items, 1), kDataWarpsPerBlock);
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms, needed)));
+}
 
 }  // namespace ep

@@ -1,4 +1,5 @@
-// Warp-cooperative copies of 16-byte vectors that keep several loads in flight per lane.
+// Warp-cooperative primitives: copies of 16-byte vectors that keep several loads in flight per lane, and the ballot
+// compaction that lists a token's destinations.
 //
 // A loop that stores each vector before it loads the next waits one full memory latency (HBM or a peer's
 // memory, ~0.5-1 µs) per 512 bytes per warp, because the store needs the loaded value and the next load may
@@ -8,10 +9,12 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace ep {
 
 constexpr int kCopyBatch = 8;  // vectors per lane in flight: 8 x 16 B x 32 lanes = 4 KB per warp
-constexpr int kCopyLanes = 32;
+constexpr int kCopyLanes = kWarpSize;
 
 // For vectors i = lane, lane + 32, ... < n: store(i, load(i)), kCopyBatch loads per lane issued before their stores.
 // `load(i) -> int4` and `store(i, int4)` are device lambdas (or functors), so each caller picks its load flavour
@@ -27,6 +30,54 @@ __device__ __forceinline__ void warp_copy_batched(int64_t n, int lane, Load&& lo
         for (int u = 0; u < kCopyBatch; ++u)
             if (base + u * kCopyLanes < n) store(base + u * kCopyLanes, v[u]);
     }
+}
+
+// How warp_copy loads its source. kReadOnly: through the non-coherent read-only path (__ldg), for a source nobody
+// writes while the kernel runs; kPlain: ordinary global loads.
+enum class CopySource { kReadOnly, kPlain };
+
+// Copies `bytes` from src to dst with one warp: batched 16-byte vectors when both ends and the size allow, else 4-byte
+// words (FP8 scale rows are multiples of 4 bytes), else bytes (plain loads).
+template <CopySource kSource>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+    const auto misalignment = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+    if ((misalignment & 15) == 0) {
+        auto* d = static_cast<int4*>(dst);
+        const auto* s = static_cast<const int4*>(src);
+        if constexpr (kSource == CopySource::kReadOnly)
+            warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return __ldg(s + i); }, [&](int64_t i, const int4& v) { d[i] = v; });
+        else
+            warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return s[i]; }, [&](int64_t i, const int4& v) { d[i] = v; });
+    } else if ((misalignment & 3) == 0) {
+        auto* d = static_cast<int*>(dst);
+        const auto* s = static_cast<const int*>(src);
+        for (int64_t i = lane; i < bytes / 4; i += kWarpSize) {
+            if constexpr (kSource == CopySource::kReadOnly)
+                d[i] = __ldg(s + i);
+            else
+                d[i] = s[i];
+        }
+    } else {
+        auto* d = static_cast<char*>(dst);
+        const auto* s = static_cast<const char*>(src);
+        for (int64_t i = lane; i < bytes; i += kWarpSize) d[i] = s[i];
+    }
+}
+
+// Numbers, in ascending order, the indices i < n for which hit(i) holds: visit(i, slot) runs on the lane that tested
+// i, with slot = how many hits precede i. Returns the number of hits (the same on every lane). Run by a whole warp;
+// a hit's visit runs before the next 32 indices are tested.
+template <typename Hit, typename Visit>
+__device__ __forceinline__ int warp_compact(int n, int lane, Hit&& hit, Visit&& visit) {
+    int count = 0;
+    for (int base = 0; base < n; base += kWarpSize) {
+        const int i = base + lane;
+        const bool is_hit = i < n && hit(i);
+        const unsigned mask = __ballot_sync(kFullWarpMask, is_hit);
+        if (is_hit) visit(i, count + __popc(mask & ((1u << lane) - 1)));
+        count += __popc(mask);
+    }
+    return count;
 }
 
 }  // namespace ep

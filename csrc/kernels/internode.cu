@@ -7,19 +7,15 @@
 #include <algorithm>
 
 #include "kernels/common.cuh"
+#include "kernels/constants.h"
+#include "kernels/copy.cuh"
 #include "kernels/sync.cuh"
 #include "kernels/vec.cuh"
 
 namespace ep::internode {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr int kThreads = 512;  // 16 warps: one warp per token or row in the data kernels
-constexpr int kWarps = kThreads / kWarpSize;
-constexpr int kSyncThreads = 256;  // notify / barrier: one thread per peer (looping beyond 256 ranks)
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int64_t kAlign = 128;  // every region starts on a 128-byte boundary (16-byte vectors, whole lines)
-constexpr int kFp8GroupSize = 128;
+constexpr int kSyncThreads = kNumThreadsPerBlock;  // notify / barrier: one thread per peer (looping beyond 256 ranks)
 
 // ------------------------------------------------------------------ NVSHMEM wrappers (no-ops without NVSHMEM: the
 // buffer cannot be created then, so these kernels never run)
@@ -47,39 +43,20 @@ __device__ __forceinline__ void quiet() {
 #endif
 }
 
-__device__ __forceinline__ uint64_t* signals(const Layout& L, const Ctx& c) { return reinterpret_cast<uint64_t*>(c.local + L.signal_offset); }
+__device__ __forceinline__ uint64_t* signals(const Layout& L, const Ctx& c) {
+    return reinterpret_cast<uint64_t*>(c.local + L.signal_offset);
+}
 
-// Waits until `peer` has signalled this rank `epoch` times in total; then traps with a report on timeout.
+// Waits until `peer` has signalled this rank `epoch` times in total; traps with a report on timeout.
 __device__ void wait_signal(const Layout& L, const Ctx& c, int peer, unsigned long long epoch, int stage) {
-    const uint64_t* sig = signals(L, c) + peer;
-    const uint64_t start = sync::global_timer_ns();
-    while (sync::load_acquire_sys(sig) < epoch) {
-        if (sync::global_timer_ns() - start > static_cast<uint64_t>(c.timeout_ns)) {
-            printf("ep_dispatcher: timeout after %lld ms on rank %d (node %d) waiting for rank %d, internode stage '%s' (epoch %llu, "
-                   "have %llu)\n",
-                   static_cast<long long>(c.timeout_ns / 1000000), c.rank, c.node, peer, sync::stage_name(stage), epoch,
-                   static_cast<unsigned long long>(sync::load_acquire_sys(sig)));
-            asm volatile("trap;");
-        }
-    }
+    sync::WaitSite site{stage, c.rank, peer};
+    site.node = c.node;
+    sync::timed_wait(signals(L, c) + peer, [epoch](uint64_t signal) { return signal >= epoch; }, c.timeout_ns, epoch, site);
 }
 
 __device__ __forceinline__ void fail(const char* what, int rank, long long value, long long limit) {
     printf("ep_dispatcher: internode on rank %d: %s (%lld >= %lld)\n", rank, what, value, limit);
     asm volatile("trap;");
-}
-
-// Copies `bytes` (a multiple of 4) with one warp; 16-byte vectors when both ends and the size allow.
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
-    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
-        auto* d = static_cast<int4*>(dst);
-        const auto* s = static_cast<const int4*>(src);
-        for (int64_t i = lane; i < bytes / 16; i += kWarpSize) d[i] = s[i];
-    } else {
-        auto* d = static_cast<int*>(dst);
-        const auto* s = static_cast<const int*>(src);
-        for (int64_t i = lane; i < bytes / 4; i += kWarpSize) d[i] = s[i];
-    }
 }
 
 // ------------------------------------------------------------------ barrier and notify
@@ -150,23 +127,24 @@ __global__ void __launch_bounds__(kSyncThreads) notify_kernel(Layout L, Ctx c, c
 // One warp per token with at least one remote destination node: stage the message once in this rank's symmetric
 // send area (puts need a registered source), then put it to the forwarder (same local index) of each remote node,
 // at the row given by the token's position among this rank's tokens for that node.
-__global__ void __launch_bounds__(kThreads) rdma_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales,
-                                                             const int64_t* topk_idx, const float* topk_weights, const int* send_pos,
-                                                             const int* rdma_send_pos, int num_tokens) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    rdma_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales, const int64_t* topk_idx, const float* topk_weights,
+                     const int* send_pos, const int* rdma_send_pos, int num_tokens) {
     const int lane = threadIdx.x % kWarpSize;
     const int N = c.num_nodes, R = c.num_ranks, T = L.max_tokens;
     bool did_put = false;
-    for (int t = blockIdx.x * kWarps + threadIdx.x / kWarpSize; t < num_tokens; t += gridDim.x * kWarps) {
+    for (int t = blockIdx.x * kDataWarpsPerBlock + threadIdx.x / kWarpSize; t < num_tokens; t += gridDim.x * kDataWarpsPerBlock) {
         bool remote = false;
         for (int n0 = 0; n0 < N; n0 += kWarpSize) {
             const int n = n0 + lane;
             const bool hit = n < N && n != c.node && rdma_send_pos[static_cast<int64_t>(t) * N + n] >= 0;
-            remote |= __ballot_sync(kFullMask, hit) != 0;  // every lane votes: no short-circuit around the ballot
+            remote |= __ballot_sync(kFullWarpMask, hit) != 0;  // every lane votes: no short-circuit around the ballot
         }
         if (!remote) continue;
         uint8_t* msg = c.local + L.send_stage_offset + static_cast<int64_t>(t) * L.msg_stride;
-        warp_copy(msg, x + static_cast<int64_t>(t) * F.x_bytes, F.x_bytes, lane);
-        if (scales != nullptr) warp_copy(msg + F.off_scales, scales + static_cast<int64_t>(t) * F.scale_bytes, F.scale_bytes, lane);
+        warp_copy<CopySource::kPlain>(msg, x + static_cast<int64_t>(t) * F.x_bytes, F.x_bytes, lane);
+        if (scales != nullptr)
+            warp_copy<CopySource::kPlain>(msg + F.off_scales, scales + static_cast<int64_t>(t) * F.scale_bytes, F.scale_bytes, lane);
         if (lane < F.num_topk) {
             reinterpret_cast<int64_t*>(msg + F.off_topk)[lane] = topk_idx[static_cast<int64_t>(t) * F.num_topk + lane];
             reinterpret_cast<float*>(msg + F.off_weights)[lane] = topk_weights[static_cast<int64_t>(t) * F.num_topk + lane];
@@ -194,16 +172,15 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(Layout L, Ctx c, Fi
 // One warp per (source, token) this rank forwards: its own tokens that touch its node, then the messages received
 // from each remote node's rank with the same local index. Each goes to its final row on every destination of this
 // node (direct stores), and the destination set is recorded for the combine.
-__global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales,
-                                                           const int64_t* topk_idx, const float* topk_weights, int num_local_experts,
-                                                           const int* send_pos, const int* rdma_send_pos, const int* count_matrix,
-                                                           const int* node_count, int num_tokens, int* fwd_pos, int fwd_stride,
-                                                           int recv_capacity, int64_t recv_x_off, int64_t recv_scales_off,
-                                                           int64_t recv_topk_off, int64_t recv_weights_off, int64_t recv_src_off) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    forward_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const uint8_t* scales, const int64_t* topk_idx, const float* topk_weights,
+                   int num_local_experts, const int* send_pos, const int* rdma_send_pos, const int* count_matrix, const int* node_count,
+                   int num_tokens, int* fwd_pos, int fwd_stride, int recv_capacity, int64_t recv_x_off, int64_t recv_scales_off,
+                   int64_t recv_topk_off, int64_t recv_weights_off, int64_t recv_src_off) {
     __shared__ int base[kMaxRanks];       // [n_s * P + j]: first row of source (n_s, my local index) on rank (my node, j)
     __shared__ int begin[kMaxRanks + 1];  // prefix over source nodes of the messages received (own node: 0)
-    __shared__ int dst_local[kWarps][kMaxRanksPerNode];
-    __shared__ int dst_row[kWarps][kMaxRanksPerNode];
+    __shared__ int dst_local[kDataWarpsPerBlock][kMaxRanksPerNode];
+    __shared__ int dst_row[kDataWarpsPerBlock][kMaxRanksPerNode];
     const int R = c.num_ranks, P = c.per_node, N = c.num_nodes, T = L.max_tokens;
     for (int i = threadIdx.x; i < N * P; i += blockDim.x) {
         const int s = (i / P) * P + c.local_rank, d = c.node * P + i % P;
@@ -218,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
     __syncthreads();
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int64_t total = static_cast<int64_t>(num_tokens) + begin[N];
-    for (int64_t v = blockIdx.x * kWarps + warp; v < total; v += gridDim.x * kWarps) {
+    for (int64_t v = blockIdx.x * kDataWarpsPerBlock + warp; v < total; v += gridDim.x * kDataWarpsPerBlock) {
         int n_s, j, src_token;
         const uint8_t *x_row, *scale_row;
         const int64_t* topk_row;
@@ -251,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
             pos_row = reinterpret_cast<const int*>(msg + F.off_pos);
         }
         const int pos = lane < P ? pos_row[c.node * P + lane] : -1;
-        const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
+        const unsigned mask = __ballot_sync(kFullWarpMask, pos >= 0);
         if (fwd_pos != nullptr && lane < P) {
             if (j >= fwd_stride) fail("dispatch: a source sends more tokens than the handle's max_tokens", c.rank, j, fwd_stride);
             fwd_pos[(static_cast<int64_t>(n_s) * fwd_stride + j) * P + lane] = pos;
@@ -259,29 +236,37 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Layout L, Ctx c, Fiel
         if (pos >= 0) {
             const int slot = __popc(mask & ((1u << lane) - 1));
             const int row = base[n_s * P + lane] + pos;
-            if (row >= recv_capacity) fail("dispatch: receive row beyond the buffer's capacity; raise num_rdma_bytes", c.rank, row, recv_capacity);
+            if (row >= recv_capacity)
+                fail("dispatch: receive row beyond the buffer's capacity; raise num_rdma_bytes", c.rank, row, recv_capacity);
             dst_local[warp][slot] = lane;
             dst_row[warp][slot] = row;
         }
         const int count = __popc(mask);
         __syncwarp();
         // Payload: each 16-byte vector is read once and stored to every destination.
-        for (int i = lane; i < F.x_bytes / 16; i += kWarpSize) {
-            const int4 value = reinterpret_cast<const int4*>(x_row)[i];
-            for (int k = 0; k < count; ++k)
-                reinterpret_cast<int4*>(c.peer[dst_local[warp][k]] + L.recv_offset + recv_x_off + static_cast<int64_t>(dst_row[warp][k]) * F.x_bytes)[i] = value;
-        }
+        const int4* x_vectors = reinterpret_cast<const int4*>(x_row);
+        warp_copy_batched(
+            F.x_bytes / 16, lane, [&](int64_t i) { return x_vectors[i]; },
+            [&](int64_t i, const int4& value) {
+                for (int k = 0; k < count; ++k) {
+                    uint8_t* dst =
+                        c.peer[dst_local[warp][k]] + L.recv_offset + recv_x_off + static_cast<int64_t>(dst_row[warp][k]) * F.x_bytes;
+                    reinterpret_cast<int4*>(dst)[i] = value;
+                }
+            });
         for (int k = 0; k < count; ++k) {
             const int jl = dst_local[warp][k];
             const int64_t row = dst_row[warp][k];
             uint8_t* region = c.peer[jl] + L.recv_offset;
-            if (scale_row != nullptr) warp_copy(region + recv_scales_off + row * F.scale_bytes, scale_row, F.scale_bytes, lane);
+            if (scale_row != nullptr)
+                warp_copy<CopySource::kPlain>(region + recv_scales_off + row * F.scale_bytes, scale_row, F.scale_bytes, lane);
             if (topk_row != nullptr && lane < F.num_topk) {
                 // Ids become the destination's local ids; experts elsewhere become -1 with weight 0.
                 const int d = c.node * P + jl;
                 const int64_t expert = topk_row[lane];
                 const bool local = expert >= 0 && expert / num_local_experts == d;
-                reinterpret_cast<int64_t*>(region + recv_topk_off)[row * F.num_topk + lane] = local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
+                reinterpret_cast<int64_t*>(region + recv_topk_off)[row * F.num_topk + lane] =
+                    local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
                 reinterpret_cast<float*>(region + recv_weights_off)[row * F.num_topk + lane] = local ? weight_row[lane] : 0.0f;
             }
             if (lane == 0) reinterpret_cast<int*>(region + recv_src_off)[row] = src_token;
@@ -303,9 +288,14 @@ __device__ __forceinline__ int forwarder_base(const int* count_matrix, int R, in
     return a;
 }
 
+// The top-k weights of combine row `row` of `area` (they follow the row's x bytes).
+__device__ __forceinline__ const float* weights_of(const uint8_t* area, int row, const Fields& F) {
+    return reinterpret_cast<const float*>(area + static_cast<int64_t>(row) * F.comb_bytes + F.x_bytes);
+}
+
 // Expert side: row i (from source s) goes to the combine area of s's forwarder on this node, (node, s % P).
-__global__ void __launch_bounds__(kThreads) comb_nvl_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const float* topk_weights,
-                                                                 const int* count_matrix) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    comb_nvl_send_kernel(Layout L, Ctx c, Fields F, const uint8_t* x, const float* topk_weights, const int* count_matrix) {
     __shared__ int row_begin[kMaxRanks + 1];
     __shared__ int dst_base[kMaxRanks];
     const int R = c.num_ranks, P = c.per_node, N = c.num_nodes;
@@ -317,11 +307,12 @@ __global__ void __launch_bounds__(kThreads) comb_nvl_send_kernel(Layout L, Ctx c
         }
         row_begin[R] = total;
     }
-    for (int s = threadIdx.x; s < R; s += blockDim.x) dst_base[s] = forwarder_base(count_matrix, R, P, N, c.node, s % P, c.local_rank, s / P);
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+        dst_base[s] = forwarder_base(count_matrix, R, P, N, c.node, s % P, c.local_rank, s / P);
     __syncthreads();
     const int capacity = R * L.max_tokens;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    for (int row = blockIdx.x * kWarps + warp; row < row_begin[R]; row += gridDim.x * kWarps) {
+    for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < row_begin[R]; row += gridDim.x * kDataWarpsPerBlock) {
         int s = 0;
         while (row >= row_begin[s + 1]) ++s;
         const int64_t dst_row = dst_base[s] + (row - row_begin[s]);
@@ -330,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) comb_nvl_send_kernel(Layout L, Ctx c
             __syncwarp();
         }
         uint8_t* dst = c.peer[s % P] + L.comb_nvl_offset + dst_row * F.comb_bytes;
-        warp_copy(dst, x + static_cast<int64_t>(row) * F.x_bytes, F.x_bytes, lane);
+        warp_copy<CopySource::kPlain>(dst, x + static_cast<int64_t>(row) * F.x_bytes, F.x_bytes, lane);
         if (topk_weights != nullptr && lane < F.num_topk)
             reinterpret_cast<float*>(dst + F.x_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * F.num_topk + lane];
     }
@@ -341,12 +332,11 @@ __global__ void __launch_bounds__(kThreads) comb_nvl_send_kernel(Layout L, Ctx c
 // ascending, round to the output type, and send the partial to the source (a put for remote nodes; its own
 // tokens' partials stay in its own area).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) comb_forward_kernel(Layout L, Ctx c, Fields F, const int* count_matrix, const int* node_count,
-                                                                const int* fwd_pos, int fwd_stride) {
-    using V = Vec<T>;
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    comb_forward_kernel(Layout L, Ctx c, Fields F, const int* count_matrix, const int* node_count, const int* fwd_pos, int fwd_stride) {
     __shared__ int fbase[kMaxRanks];      // [n_s * P + j]: forwarder_base(j, n_s) for this rank
     __shared__ int begin[kMaxRanks + 1];  // prefix over source nodes of the tokens this rank forwarded
-    __shared__ int rows[kWarps][kMaxRanksPerNode];
+    __shared__ int rows[kDataWarpsPerBlock][kMaxRanksPerNode];
     const int R = c.num_ranks, P = c.per_node, N = c.num_nodes, Tm = L.max_tokens;
     for (int i = threadIdx.x; i < N * P; i += blockDim.x)
         fbase[i] = forwarder_base(count_matrix, R, P, N, c.node, c.local_rank, i % P, i / P);
@@ -358,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) comb_forward_kernel(Layout L, Ctx c,
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const uint8_t* area = c.local + L.comb_nvl_offset;
     bool did_put = false;
-    for (int v = blockIdx.x * kWarps + warp; v < begin[N]; v += gridDim.x * kWarps) {
+    for (int v = blockIdx.x * kDataWarpsPerBlock + warp; v < begin[N]; v += gridDim.x * kDataWarpsPerBlock) {
         int n_s = 0;
         while (v >= begin[n_s + 1]) ++n_s;
         const int j = v - begin[n_s];
@@ -367,32 +357,20 @@ __global__ void __launch_bounds__(kThreads) comb_forward_kernel(Layout L, Ctx c,
             __syncwarp();
         }
         const int pos = lane < P ? fwd_pos[(static_cast<int64_t>(n_s) * fwd_stride + j) * P + lane] : -1;
-        const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
+        const unsigned mask = __ballot_sync(kFullWarpMask, pos >= 0);
         if (pos >= 0) rows[warp][__popc(mask & ((1u << lane) - 1))] = fbase[n_s * P + lane] + pos;
         const int count = __popc(mask);
         __syncwarp();
         uint8_t* out = n_s == c.node ? c.local + L.comb_rdma_offset + (static_cast<int64_t>(c.node) * Tm + j) * F.comb_bytes
                                      : c.local + L.comb_stage_offset + (static_cast<int64_t>(n_s) * Tm + j) * F.comb_bytes;
-        for (int i = lane; i < F.x_bytes / 16; i += kWarpSize) {
-            float acc[V::kElems];
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
-            for (int r = 0; r < count; ++r) {
-                const int4 y = reinterpret_cast<const int4*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes)[i];
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(y, k));
-            }
-            int4 o;
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
-            reinterpret_cast<int4*>(out)[i] = o;
-        }
-        if (lane < F.num_topk) {
-            float acc = 0.0f;
-            for (int r = 0; r < count; ++r)
-                acc = __fadd_rn(acc, reinterpret_cast<const float*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes + F.x_bytes)[lane]);
-            reinterpret_cast<float*>(out + F.x_bytes)[lane] = acc;
-        }
+        // The node's rows by destination local rank ascending (no bias: the source adds it once).
+        const auto node_row = [&](int r) {
+            return reinterpret_cast<const int4*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes);
+        };
+        sum_token_rows<T>(nullptr, nullptr, count, node_row, reinterpret_cast<T*>(out), F.x_bytes / 16, lane);
+        if (lane < F.num_topk)
+            reinterpret_cast<float*>(out + F.x_bytes)[lane] =
+                sum_token_weights(count, [&](int r) { return weights_of(area, rows[warp][r], F); }, lane);
         __syncwarp();
         if (n_s != c.node) {
             __threadfence_system();  // the staged partial is complete before the transport reads it
@@ -407,62 +385,38 @@ __global__ void __launch_bounds__(kThreads) comb_forward_kernel(Layout L, Ctx c,
 
 // Source side: out[t] = bias0 + bias1 + node partials by node ascending, in fp32, rounded once.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) comb_reduce_kernel(Layout L, Ctx c, Fields F, const T* bias0, const T* bias1, const int* rdma_send_pos,
-                                                               int num_tokens, T* out, float* out_weights) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    comb_reduce_kernel(Layout L, Ctx c, Fields F, const T* bias0, const T* bias1, const int* rdma_send_pos, int num_tokens, T* out,
+                       float* out_weights) {
     using V = Vec<T>;
-    __shared__ int rows[kWarps][kMaxRanks];
+    __shared__ int rows[kDataWarpsPerBlock][kMaxRanks];
     const int N = c.num_nodes, Tm = L.max_tokens;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const uint8_t* area = c.local + L.comb_rdma_offset;
     const int vectors = F.x_bytes / 16;
     const int hidden = vectors * V::kElems;
-    for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += gridDim.x * kWarps) {
+    for (int t = blockIdx.x * kDataWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kDataWarpsPerBlock) {
         int count = 0;
         for (int n0 = 0; n0 < N; n0 += kWarpSize) {
             const int n = n0 + lane;
             const int pos = n < N ? rdma_send_pos[static_cast<int64_t>(t) * N + n] : -1;
-            const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
+            const unsigned mask = __ballot_sync(kFullWarpMask, pos >= 0);
             if (pos >= 0) rows[warp][count + __popc(mask & ((1u << lane) - 1))] = n * Tm + pos;
             count += __popc(mask);
         }
         __syncwarp();
-        for (int i = lane; i < vectors; i += kWarpSize) {
-            float acc[V::kElems];
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
-            if (bias0 != nullptr) {
-                const int4 b = reinterpret_cast<const int4*>(bias0 + static_cast<int64_t>(t) * hidden)[i];
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
-            }
-            if (bias1 != nullptr) {
-                const int4 b = reinterpret_cast<const int4*>(bias1 + static_cast<int64_t>(t) * hidden)[i];
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
-            }
-            for (int r = 0; r < count; ++r) {
-                const int4 y = reinterpret_cast<const int4*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes)[i];
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(y, k));
-            }
-            int4 o;
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
-            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden)[i] = o;
-        }
-        if (out_weights != nullptr && lane < F.num_topk) {
-            float acc = 0.0f;
-            for (int r = 0; r < count; ++r)
-                acc = __fadd_rn(acc, reinterpret_cast<const float*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes + F.x_bytes)[lane]);
-            out_weights[static_cast<int64_t>(t) * F.num_topk + lane] = acc;
-        }
+        // Bias first, then the node partials by node ascending: the reference backend's order.
+        const int64_t first = static_cast<int64_t>(t) * hidden;
+        const auto node_partial = [&](int r) {
+            return reinterpret_cast<const int4*>(area + static_cast<int64_t>(rows[warp][r]) * F.comb_bytes);
+        };
+        sum_token_rows(bias0 != nullptr ? bias0 + first : nullptr, bias1 != nullptr ? bias1 + first : nullptr, count, node_partial,
+                       out + first, vectors, lane);
+        if (out_weights != nullptr && lane < F.num_topk)
+            out_weights[static_cast<int64_t>(t) * F.num_topk + lane] =
+                sum_token_weights(count, [&](int r) { return weights_of(area, rows[warp][r], F); }, lane);
         __syncwarp();
     }
-}
-
-int data_grid(int num_sms, int64_t work_items) {
-    const int64_t needed = ceil_div<int64_t>(std::max<int64_t>(work_items, 1), kWarps);
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms, needed)));
 }
 
 }  // namespace
@@ -487,21 +441,21 @@ Layout make_layout(int64_t hidden_bytes, int num_ranks, int num_ranks_per_node, 
     L.recv_row_max = hidden_bytes + scale_max + kMaxTopk * 12 + 4;
     L.comb_stride_max = align_up(hidden_bytes + kMaxTopk * 4, 16);
     L.signal_offset = 0;
-    L.notify_area_offset = align_up(R * 8, kAlign);
-    L.notify_stage_offset = L.notify_area_offset + align_up(2 * R * L.notify_slot_ints * 4, kAlign);
-    L.data_offset = L.notify_stage_offset + align_up(R * L.notify_slot_ints * 4, kAlign);
+    L.notify_area_offset = align_up(R * 8, kRegionAlignment);
+    L.notify_stage_offset = L.notify_area_offset + align_up(2 * R * L.notify_slot_ints * 4, kRegionAlignment);
+    L.data_offset = L.notify_stage_offset + align_up(R * L.notify_slot_ints * 4, kRegionAlignment);
     // Dispatch: staged messages [T], received messages [N source nodes][T], final receive rows (R * T at most).
     L.send_stage_offset = L.data_offset;
-    L.rdma_recv_offset = L.send_stage_offset + align_up(T * L.msg_stride, kAlign);
-    L.recv_offset = L.rdma_recv_offset + align_up(N * T * L.msg_stride, kAlign);
-    L.recv_bytes = align_up(R * T * L.recv_row_max + 5 * kAlign, kAlign);  // 5 regions, each 128-byte aligned
+    L.rdma_recv_offset = L.send_stage_offset + align_up(T * L.msg_stride, kRegionAlignment);
+    L.recv_offset = L.rdma_recv_offset + align_up(N * T * L.msg_stride, kRegionAlignment);
+    L.recv_bytes = align_up(R * T * L.recv_row_max + 5 * kRegionAlignment, kRegionAlignment);  // 5 regions, each 128-byte aligned
     const int64_t dispatch_end = L.recv_offset + L.recv_bytes;
     // Combine (reuses the dispatch's bytes): node rows at the forwarder [R * T], partials at the source [N][T],
     // staged partials at the forwarder [N][T].
     L.comb_nvl_offset = L.data_offset;
-    L.comb_rdma_offset = L.comb_nvl_offset + align_up(R * T * L.comb_stride_max, kAlign);
-    L.comb_stage_offset = L.comb_rdma_offset + align_up(N * T * L.comb_stride_max, kAlign);
-    const int64_t combine_end = L.comb_stage_offset + align_up(N * T * L.comb_stride_max, kAlign);
+    L.comb_rdma_offset = L.comb_nvl_offset + align_up(R * T * L.comb_stride_max, kRegionAlignment);
+    L.comb_stage_offset = L.comb_rdma_offset + align_up(N * T * L.comb_stride_max, kRegionAlignment);
+    const int64_t combine_end = L.comb_stage_offset + align_up(N * T * L.comb_stride_max, kRegionAlignment);
     L.total_bytes = std::max(dispatch_end, combine_end);
     return L;
 }
@@ -521,7 +475,8 @@ int max_tokens_for(int64_t num_bytes, int64_t hidden_bytes, int num_ranks, int n
 }
 
 Fields make_fields(const Layout& L, int x_bytes, int scale_bytes, int num_topk) {
-    EP_HOST_ASSERT(x_bytes > 0 && x_bytes % 16 == 0 && x_bytes <= L.hidden_bytes, "x row bytes ", x_bytes, " (layout for ", L.hidden_bytes, ")");
+    EP_HOST_ASSERT(x_bytes > 0 && x_bytes % 16 == 0 && x_bytes <= L.hidden_bytes, "x row bytes ", x_bytes, " (layout for ", L.hidden_bytes,
+                   ")");
     EP_HOST_ASSERT(scale_bytes % 4 == 0, "scale row bytes ", scale_bytes);
     EP_HOST_ASSERT(num_topk >= 0 && num_topk <= kMaxTopk, "num_topk=", num_topk, " exceeds ", kMaxTopk);
     Fields F{};
@@ -564,47 +519,45 @@ void dispatch(const Layout& L, const Ctx& c, const Fields& F, const void* x, con
     const auto* xb = static_cast<const uint8_t*>(x);
     const auto* sb = static_cast<const uint8_t*>(scales);
     if (num_tokens > 0) {
-        rdma_send_kernel<<<data_grid(num_sms, num_tokens), kThreads, 0, stream>>>(L, c, F, xb, sb, topk_idx, topk_weights, send_pos,
-                                                                                   rdma_send_pos, num_tokens);
+        rdma_send_kernel<<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(L, c, F, xb, sb, topk_idx, topk_weights,
+                                                                                              send_pos, rdma_send_pos, num_tokens);
         EP_CUDA_CHECK(cudaGetLastError());
     }
     barrier(L, c, sync::kStageInternodeDispatchSent, stream);
     // The received message count is only known on the device: num_sms blocks loop over it.
-    forward_kernel<<<std::max(1, num_sms), kThreads, 0, stream>>>(L, c, F, xb, sb, topk_idx, topk_weights, num_local_experts, send_pos,
-                                                                   rdma_send_pos, count_matrix, node_count, num_tokens, fwd_pos, fwd_stride,
-                                                                   recv_capacity, recv_x_offset, recv_scales_offset, recv_topk_offset,
-                                                                   recv_weights_offset, recv_src_offset);
+    forward_kernel<<<std::max(1, num_sms), kDataThreadsPerBlock, 0, stream>>>(
+        L, c, F, xb, sb, topk_idx, topk_weights, num_local_experts, send_pos, rdma_send_pos, count_matrix, node_count, num_tokens, fwd_pos,
+        fwd_stride, recv_capacity, recv_x_offset, recv_scales_offset, recv_topk_offset, recv_weights_offset, recv_src_offset);
     EP_CUDA_CHECK(cudaGetLastError());
     barrier(L, c, sync::kStageInternodeDispatchForwarded, stream);
 }
 
-void cached_dispatch_start(const Layout& L, const Ctx& c, cudaStream_t stream) { barrier(L, c, sync::kStageInternodeDispatchStart, stream); }
+void cached_dispatch_start(const Layout& L, const Ctx& c, cudaStream_t stream) {
+    barrier(L, c, sync::kStageInternodeDispatchStart, stream);
+}
 
 void combine(const Layout& L, const Ctx& c, const Fields& F, FloatType type, const void* x, const float* topk_weights, const void* bias0,
-             const void* bias1, const int* rdma_send_pos, const int* count_matrix, const int* node_count, const int* fwd_pos, int fwd_stride,
-             int num_tokens, void* out, float* out_weights, int num_sms, cudaStream_t stream) {
+             const void* bias1, const int* rdma_send_pos, const int* count_matrix, const int* node_count, const int* fwd_pos,
+             int fwd_stride, int num_tokens, void* out, float* out_weights, int num_sms, cudaStream_t stream) {
     EP_HOST_ASSERT(num_tokens <= L.max_tokens, "num_tokens=", num_tokens, " exceeds the layout's max_tokens=", L.max_tokens);
     const int grid = std::max(1, num_sms);
     barrier(L, c, sync::kStageInternodeCombineStart, stream);  // every rank is done with the buffer's previous use
-    comb_nvl_send_kernel<<<grid, kThreads, 0, stream>>>(L, c, F, static_cast<const uint8_t*>(x), topk_weights, count_matrix);
+    comb_nvl_send_kernel<<<grid, kDataThreadsPerBlock, 0, stream>>>(L, c, F, static_cast<const uint8_t*>(x), topk_weights, count_matrix);
     EP_CUDA_CHECK(cudaGetLastError());
     barrier(L, c, sync::kStageInternodeCombineNvl, stream);
-    if (type == FloatType::kBFloat16)
-        comb_forward_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(L, c, F, count_matrix, node_count, fwd_pos, fwd_stride);
-    else
-        comb_forward_kernel<float><<<grid, kThreads, 0, stream>>>(L, c, F, count_matrix, node_count, fwd_pos, fwd_stride);
+    with_float_type(type, [&](auto element) {
+        using T = decltype(element);
+        comb_forward_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(L, c, F, count_matrix, node_count, fwd_pos, fwd_stride);
+    });
     EP_CUDA_CHECK(cudaGetLastError());
     barrier(L, c, sync::kStageInternodeCombineRdma, stream);
     if (num_tokens == 0) return;
-    const int reduce_grid = data_grid(num_sms, num_tokens);
-    if (type == FloatType::kBFloat16)
-        comb_reduce_kernel<__nv_bfloat16><<<reduce_grid, kThreads, 0, stream>>>(
-            L, c, F, static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), rdma_send_pos, num_tokens,
-            static_cast<__nv_bfloat16*>(out), out_weights);
-    else
-        comb_reduce_kernel<float><<<reduce_grid, kThreads, 0, stream>>>(L, c, F, static_cast<const float*>(bias0),
-                                                                        static_cast<const float*>(bias1), rdma_send_pos, num_tokens,
-                                                                        static_cast<float*>(out), out_weights);
+    with_float_type(type, [&](auto element) {
+        using T = decltype(element);
+        comb_reduce_kernel<T><<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(
+            L, c, F, static_cast<const T*>(bias0), static_cast<const T*>(bias1), rdma_send_pos, num_tokens, static_cast<T*>(out),
+            out_weights);
+    });
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

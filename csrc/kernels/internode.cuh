@@ -27,12 +27,13 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace ep::internode {
 
 constexpr int kMaxRanks = 128;          // shared-memory tables in the kernels (per-(node, local rank) bases)
 constexpr int kMaxRanksPerNode = 32;    // one warp lane per local destination rank
 constexpr int kMaxLocalExperts = 1024;  // per-expert counts a notify slot holds
-constexpr int kMaxTopk = 16;            // widest top-k (NUM_MAX_TOPK in ep_dispatcher/config.py)
 
 // Offsets inside one rank's symmetric buffer. The signal part depends on (R, P) only, so barrier counters survive
 // calls of other shapes; the data part is laid out for hidden_bytes (= hidden * max(element_size, 2)) and
@@ -96,8 +97,6 @@ void dispatch(const Layout& L, const Ctx& c, const Fields& F, const void* x, con
 
 // Cached dispatch has no notify to order it after every rank's previous call: this barrier does.
 void cached_dispatch_start(const Layout& L, const Ctx& c, cudaStream_t stream);
-
-enum class FloatType : int { kBFloat16 = 0, kFloat32 = 1 };
 
 void combine(const Layout& L, const Ctx& c, const Fields& F, FloatType type, const void* x, const float* topk_weights,
              const void* bias0, const void* bias1, const int* rdma_send_pos, const int* count_matrix, const int* node_count,

@@ -5,18 +5,15 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common.cuh"
+#include "constants.h"
+#include "copy.cuh"
 #include "intranode.cuh"
 #include "sync.cuh"
-#include "copy.cuh"
 #include "vec.cuh"
 
 namespace ep::intranode {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr int kDataThreads = 512;  // 16 warps per block: enough 16-byte loads in flight per SM for copy kernels
-constexpr int kWarpsPerBlock = kDataThreads / kWarpSize;
-constexpr int kRegionAlignment = 128;  // every region starts on a 128-byte boundary (16-byte vectors, full lines)
 constexpr int kMaxFinishBlocks = 64;   // the receive bookkeeping is a few bytes per row: a few blocks suffice
 
 __device__ __forceinline__ int* flags_of(char* base) { return reinterpret_cast<int*>(base + kFlagsOffset); }
@@ -43,38 +40,21 @@ __device__ __forceinline__ void report_input_error(InputError* error, int code, 
     atomicExch(&error->code, code);
 }
 
-// Copies `bytes` from src to dst with one warp: 16-byte vectors when both ends and the size allow, else 4-byte
-// words (FP8 scale rows are multiples of 4 bytes), else bytes. `src` is read-only for the kernel's lifetime.
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes, int lane) {
-    const bool vec16 = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0;
-    if (vec16) {
-        auto* d = static_cast<int4*>(dst);
-        const auto* s = static_cast<const int4*>(src);
-        warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return __ldg(s + i); }, [&](int64_t i, const int4& v) { d[i] = v; });
-    } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 3) == 0) {
-        auto* d = static_cast<int*>(dst);
-        const auto* s = static_cast<const int*>(src);
-        for (int i = lane; i < bytes / 4; i += kWarpSize) d[i] = __ldg(s + i);
-    } else {
-        auto* d = static_cast<char*>(dst);
-        const auto* s = static_cast<const char*>(src);
-        for (int i = lane; i < bytes; i += kWarpSize) d[i] = s[i];
-    }
-}
-
 __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, Published publish,
-                               bool has_publish) {
+                               bool has_publish, bool clear_input_error) {
     __shared__ int* peer_flags[kMaxRanks];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
     // The barrier's fence and release order these stores before this rank's arrival.
     if (has_publish && threadIdx.x < kNumPublished) published_of(peers.base[rank])[threadIdx.x] = publish.value[threadIdx.x];
     __syncthreads();
     sync::block_barrier(peer_flags, flags_of(peers.base[rank]), epoch, rank, num_ranks, timeout_ns, stage);
+    if (clear_input_error && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
 }
 
-__global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank,
-                                                                      int num_tokens, const int* num_tokens_per_rank, const int64_t* topk_idx,
-                                                                      int num_topk, int num_experts, int* send_pos, int* counts) {
+__global__ void __launch_bounds__(kScanThreads)
+    send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
+                          const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
+                          int* counts) {
     using BlockScan = cub::BlockScan<int, kScanThreads>;
     __shared__ typename BlockScan::TempStorage scan_storage;
     InputError* error = input_error_of(peers.base[rank]);
@@ -98,7 +78,8 @@ __global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peer
     // The blocks share the range check of topk_idx.
     if (topk_idx != nullptr) {
         const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
-        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x; i < entries; i += static_cast<int64_t>(gridDim.x) * kScanThreads) {
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x; i < entries;
+             i += static_cast<int64_t>(gridDim.x) * kScanThreads) {
             const int64_t expert = topk_idx[i];
             if (expert < -1 || expert >= num_experts)
                 report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
@@ -106,10 +87,18 @@ __global__ void __launch_bounds__(kScanThreads) send_positions_kernel(Peers peer
     }
 }
 
+// Packs a row shape for the signal area (row bytes < 2^24, top-k < 2^16: far beyond any real shape).
+__host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_row_bytes, int num_topk) {
+    return (static_cast<int64_t>(x_row_bytes) << 40) | (static_cast<int64_t>(scale_row_bytes) << 16) | num_topk;
+}
+
 __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix,
-                              int* rank_prefix_matrix, int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns) {
+                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
+                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
+                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
+                              int* go, CountReport* report, int report_tag, int64_t timeout_ns) {
     __shared__ int* peer_flags[kMaxRanks];
+    __shared__ int all_fit;
     char* mine = peers.base[rank];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
         peer_flags[r] = flags_of(peers.base[r]);
@@ -118,6 +107,17 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
     if (num_tokens_per_expert != nullptr) {
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_counts_of(mine)[e] = num_tokens_per_expert[e];
     }
+    const int64_t row_shape = pack_row_shape(x_row_bytes, scale_row_bytes, num_topk);
+    if (threadIdx.x == 0) {
+        int64_t* published = published_of(mine);
+        published[kPubBlockOffset] = block_offset;
+        published[kPubBlockBytes] = block_bytes;
+        published[kPubBlockRows] = block_rows;
+        published[kPubRowShape] = row_shape;
+        published[kPubPoolBytes] = pool_bytes;
+        all_fit = 1;
+    }
+    __syncthreads();
     sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyCounts);
 
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
@@ -126,12 +126,23 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         count_matrix[i] = count;
         if (report != nullptr) report->count_matrix[i] = count;
     }
+    // Per receiver: its prefix column, and where this call's outputs go in the block it published.
     for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
         int prefix = 0;
         for (int src = 0; src < num_ranks; ++src) {
             prefix += sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
             rank_prefix_matrix[src * num_ranks + dst] = prefix;
         }
+        if (plan == nullptr) continue;
+        char* theirs = peers.base[dst];
+        const int64_t fixed_rows = load_published(theirs, kPubBlockRows);
+        const int64_t rows = fixed_rows >= 0 ? fixed_rows : prefix;
+        const int64_t base = load_published(theirs, kPubBlockOffset);
+        const ReceiveLayout layout = receive_layout(rows, x_row_bytes, scale_row_bytes, num_topk, true);
+        if (layout.end > load_published(theirs, kPubBlockBytes)) atomicAnd(&all_fit, 0);
+        const bool topk = num_topk > 0, scaled = scale_row_bytes > 0;  // -1: a field this call does not write
+        plan[dst] = ReceiverRegions{base + layout.x,    scaled ? base + layout.scales : -1, topk ? base + layout.topk : -1,
+                                    topk ? base + layout.weights : -1, base + layout.src, rows};
     }
     if (num_tokens_per_expert != nullptr) {
         const int num_local_experts = num_experts / num_ranks;
@@ -144,7 +155,8 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             if (report != nullptr) report->recv_per_expert[e] = aligned;
         }
     }
-    if (report != nullptr && threadIdx.x == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
         // Every rank reports the same (lowest) rank's error, so all ranks raise together.
         InputError found{};
         for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
@@ -157,16 +169,30 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
                 found.rank = src;
             }
         }
-        report->error = found;
+        // Ranks sending rows of another shape would write past the blocks laid out for ours: refuse (first such rank).
+        for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
+            const int64_t theirs = load_published(peers.base[src], kPubRowShape);
+            if (theirs == row_shape) continue;
+            const int x_row = static_cast<int>(theirs >> 40), scale_row = static_cast<int>((theirs >> 16) & 0xffffff),
+                      topk = static_cast<int>(theirs & 0xffff);
+            found.code = kRowShapeMismatch;
+            found.rank = src;
+            found.where = x_row != x_row_bytes ? 0 : scale_row != scale_row_bytes ? 1 : 2;
+            found.slot = found.where == 0 ? x_row_bytes : found.where == 1 ? scale_row_bytes : num_topk;
+            found.value = found.where == 0 ? x_row : found.where == 1 ? scale_row : topk;
+        }
+        if (go != nullptr) *go = all_fit && found.code == kInputOk ? 1 : 0;
+        if (report != nullptr) {
+            long long min_pool = pool_bytes;
+            for (int r = 0; r < num_ranks; ++r)
+                min_pool = min(min_pool, static_cast<long long>(load_published(peers.base[r], kPubPoolBytes)));
+            report->error = found;
+            report->fits = all_fit;
+            report->min_pool_bytes = min_pool;
+            __threadfence_system();  // the report's contents before its tag
+            *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
+        }
     }
-    __syncthreads();
-    if (report != nullptr && threadIdx.x == 0) {
-        __threadfence_system();  // the report's contents before its tag
-        *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
-    }
-    // Nobody may overwrite its counts (next call) while a peer is still reading them.
-    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyDone);
-    if (threadIdx.x == 0) *input_error_of(mine) = InputError{};  // peers are done reading it
 }
 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
@@ -176,11 +202,11 @@ __device__ __forceinline__ int recv_base(const int* count_matrix, int num_ranks,
     return base;
 }
 
-__global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes,
-                                                                const char* scales, int scale_row_bytes, const int64_t* topk_idx,
-                                                                const float* topk_weights, int num_topk, int num_local_experts,
-                                                                const bool* is_token_in_rank, const int* send_pos,
-                                                                const int* count_matrix, int num_tokens) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales, int scale_row_bytes,
+                    const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
+                    const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens) {
+    if (go != nullptr && *go == 0) return;  // a receiver's block is too small or an input is bad: the host decides
     __shared__ int base_in_dst[kMaxRanks];
     __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
     __shared__ char* dst_scales[kMaxRanks];
@@ -188,46 +214,42 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
     __shared__ float* dst_weights[kMaxRanks];
     __shared__ int* dst_src[kMaxRanks];
     __shared__ int64_t dst_rows[kMaxRanks];
-    __shared__ int dst_rank[kWarpsPerBlock][kMaxRanks];
-    __shared__ int dst_row[kWarpsPerBlock][kMaxRanks];
+    __shared__ int dst_rank[kDataWarpsPerBlock][kMaxRanks];
+    __shared__ int dst_row[kDataWarpsPerBlock][kMaxRanks];
     for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
         base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
         char* data = data_of(peers.base[d]);
-        const auto region = [&](int field) -> char* {
-            const int64_t offset = load_published(peers.base[d], field);
-            return offset < 0 ? nullptr : data + offset;
-        };
-        dst_x[d] = region(kPubRecvX);
-        dst_scales[d] = region(kPubRecvScales);
-        dst_topk[d] = reinterpret_cast<int64_t*>(region(kPubRecvTopk));
-        dst_weights[d] = reinterpret_cast<float*>(region(kPubRecvWeights));
-        dst_src[d] = reinterpret_cast<int*>(region(kPubRecvSrc));
-        dst_rows[d] = load_published(peers.base[d], kPubRecvRows);
+        // Offsets from notify's plan, or the ones d published at the barrier before this kernel.
+        const auto published = [&](int field) { return load_published(peers.base[d], field); };
+        const ReceiverRegions r = plan != nullptr ? plan[d]
+                                                  : ReceiverRegions{published(kPubRecvX),       published(kPubRecvScales),
+                                                                    published(kPubRecvTopk),    published(kPubRecvWeights),
+                                                                    published(kPubRecvSrc),     published(kPubRecvRows)};
+        const auto region = [&](int64_t offset) -> char* { return offset < 0 ? nullptr : data + offset; };
+        dst_x[d] = region(r.x);
+        dst_scales[d] = region(r.scales);
+        dst_topk[d] = reinterpret_cast<int64_t*>(region(r.topk));
+        dst_weights[d] = reinterpret_cast<float*>(region(r.weights));
+        dst_src[d] = reinterpret_cast<int*>(region(r.src));
+        dst_rows[d] = r.rows;
     }
     __syncthreads();
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += num_warps) {
+    const int num_warps = gridDim.x * kDataWarpsPerBlock;
+    for (int t = blockIdx.x * kDataWarpsPerBlock + warp; t < num_tokens; t += num_warps) {
         // The destinations of token t, in rank order.
-        int count = 0;
-        for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
-            const int d = d0 + lane;
-            const bool hit = d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-            const unsigned mask = __ballot_sync(0xffffffffu, hit);
-            if (hit) {
-                const int slot = count + __popc(mask & ((1u << lane) - 1));
-                const int row = base_in_dst[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
-                if (row >= dst_rows[d]) {
-                    printf("ep_dispatcher: dispatch on rank %d: row %d for rank %d exceeds the %lld rows it allocated; "
-                           "raise num_worst_tokens to the worst case\n", rank, row, d, static_cast<long long>(dst_rows[d]));
-                    asm volatile("trap;");
-                }
-                dst_rank[warp][slot] = d;
-                dst_row[warp][slot] = row;
+        const bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+        const int count = warp_compact(num_ranks, lane, [&](int d) { return in_rank[d]; }, [&](int d, int slot) {
+            const int row = base_in_dst[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
+            if (row >= dst_rows[d]) {
+                printf("ep_dispatcher: dispatch on rank %d: row %d for rank %d exceeds the %lld rows it allocated; "
+                       "raise num_worst_tokens to the worst case\n", rank, row, d, static_cast<long long>(dst_rows[d]));
+                asm volatile("trap;");
             }
-            count += __popc(mask);
-        }
+            dst_rank[warp][slot] = d;
+            dst_row[warp][slot] = row;
+        });
         __syncwarp();
 
         // Payload: read each 16-byte vector once, store it to every destination.
@@ -245,14 +267,15 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
         } else {
             for (int j = 0; j < count; ++j) {
                 char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                warp_copy(dst, x_row, x_row_bytes, lane);
+                warp_copy<CopySource::kReadOnly>(dst, x_row, x_row_bytes, lane);
             }
         }
         for (int j = 0; j < count; ++j) {
             const int d = dst_rank[warp][j];
             const int64_t row = dst_row[warp][j];
             if (scales != nullptr)
-                warp_copy(dst_scales[d] + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes, scale_row_bytes, lane);
+                warp_copy<CopySource::kReadOnly>(dst_scales[d] + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes,
+                                                 scale_row_bytes, lane);
             if (topk_idx != nullptr && lane < num_topk) {
                 // Ids become the destination's local ids; experts elsewhere become -1 with weight 0.
                 const int64_t expert = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
@@ -267,10 +290,10 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_kernel(Peers peers, int
 }
 
 // The internode engine's receive side (its rows land in a staging area of its NVSHMEM buffer first).
-__global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data, DispatchRegions regions, const int* count_matrix, int rank,
-                                                                int num_ranks, int rows_out, char* recv_x, int x_row_bytes, char* recv_scales,
-                                                                int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights,
-                                                                int num_topk, int* recv_src_idx) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    copy_out_kernel(const char* data, DispatchRegions regions, const int* count_matrix, int rank, int num_ranks, int rows_out, char* recv_x,
+                    int x_row_bytes, char* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk,
+                    int* recv_src_idx) {
     __shared__ int num_recv;
     if (threadIdx.x == 0) {
         num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
@@ -282,14 +305,16 @@ __global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data
     }
     __syncthreads();
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    for (int64_t row = blockIdx.x * kWarpsPerBlock + warp; row < rows_out; row += gridDim.x * kWarpsPerBlock) {
+    for (int64_t row = blockIdx.x * kDataWarpsPerBlock + warp; row < rows_out; row += gridDim.x * kDataWarpsPerBlock) {
         if (row < num_recv) {
-            warp_copy(recv_x + row * x_row_bytes, data + regions.x_offset + row * x_row_bytes, x_row_bytes, lane);
+            warp_copy<CopySource::kReadOnly>(recv_x + row * x_row_bytes, data + regions.x_offset + row * x_row_bytes, x_row_bytes, lane);
             if (recv_scales != nullptr)
-                warp_copy(recv_scales + row * scale_row_bytes, data + regions.scales_offset + row * scale_row_bytes, scale_row_bytes, lane);
+                warp_copy<CopySource::kReadOnly>(recv_scales + row * scale_row_bytes, data + regions.scales_offset + row * scale_row_bytes,
+                                                 scale_row_bytes, lane);
             if (recv_topk_idx != nullptr && lane < num_topk) {
                 recv_topk_idx[row * num_topk + lane] = reinterpret_cast<const int64_t*>(data + regions.topk_offset)[row * num_topk + lane];
-                recv_topk_weights[row * num_topk + lane] = reinterpret_cast<const float*>(data + regions.weights_offset)[row * num_topk + lane];
+                recv_topk_weights[row * num_topk + lane] =
+                    reinterpret_cast<const float*>(data + regions.weights_offset)[row * num_topk + lane];
             }
             if (lane == 0) recv_src_idx[row] = reinterpret_cast<const int*>(data + regions.src_offset)[row];
         } else {
@@ -302,15 +327,15 @@ __global__ void __launch_bounds__(kDataThreads) copy_out_kernel(const char* data
     }
 }
 
-__global__ void finish_receive_kernel(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
-                                      int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
+__global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
+                                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
     __shared__ int num_recv;
     if (threadIdx.x == 0) num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
     __syncthreads();
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows_out; row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const bool received = row < num_recv;
-        recv_src_idx[row] = received ? src[row] : -1;
-        if (!received && recv_topk_idx != nullptr) {
+    for (int64_t row = num_recv + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows_out;
+         row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        recv_src_idx[row] = -1;
+        if (recv_topk_idx != nullptr) {
             for (int k = 0; k < num_topk; ++k) {
                 recv_topk_idx[row * num_topk + k] = -1;
                 recv_topk_weights[row * num_topk + k] = 0.0f;
@@ -319,8 +344,9 @@ __global__ void finish_receive_kernel(const int* src, const int* count_matrix, i
     }
 }
 
-__global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes,
-                                                                    const float* topk_weights, int num_topk, const int* count_matrix) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
+                        const int* count_matrix) {
     __shared__ int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
     __shared__ int base_at_src[kMaxRanks];   // where this rank's block starts in source s's send order
     __shared__ char* src_x[kMaxRanks];        // source s's combine region (published)
@@ -347,9 +373,10 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
     __syncthreads();
     const int num_recv = row_begin[num_ranks];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    for (int row = blockIdx.x * kWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kWarpsPerBlock) {
+    for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
         int src = 0;
         while (row >= row_begin[src + 1]) ++src;
+        if (src == rank) continue;  // this rank's own rows: its reduce reads them from x where they are
         const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
         if (back_row >= src_rows[src]) {
             if (lane == 0) {
@@ -359,30 +386,36 @@ __global__ void __launch_bounds__(kDataThreads) combine_send_kernel(Peers peers,
             }
             continue;
         }
-        warp_copy(src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes, lane);
+        warp_copy<CopySource::kReadOnly>(src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes,
+                                         lane);
         if (topk_weights != nullptr && src_weights[src] != nullptr && lane < num_topk)
             src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
     }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, int rank,
-                                                                      int num_ranks, const int* count_matrix, const bool* is_token_in_rank,
-                                                                      const int* send_pos, int num_tokens, int hidden, const T* bias0,
-                                                                      const T* bias1, T* out, float* out_weights, int num_topk) {
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, const char* local_x, const float* local_weights,
+                          int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos,
+                          int num_tokens, int hidden, const T* bias0, const T* bias1, T* out, float* out_weights, int num_topk) {
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
-    // at the rows d received from this rank), else in this rank's combine region, where d pushed them.
+    // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
+    // own rows are always read from its input (local_x), where they are.
     __shared__ const char* x_base[kMaxRanks];
     __shared__ const float* w_base[kMaxRanks];
-    __shared__ const char* rows[kWarpsPerBlock][kMaxRanks];
-    __shared__ const float* weight_rows[kWarpsPerBlock][kMaxRanks];
+    __shared__ const char* rows[kDataWarpsPerBlock][kMaxRanks];
+    __shared__ const float* weight_rows[kDataWarpsPerBlock][kMaxRanks];
     const int64_t row_bytes = static_cast<int64_t>(hidden) * sizeof(T);
     if (threadIdx.x == 0) {
         int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
             const int64_t input = load_published(peers.base[d], kPubCombineInputX);
-            if (input >= 0) {
+            if (d == rank) {
+                const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
+                x_base[d] = local_x + first * row_bytes;
+                w_base[d] = local_weights == nullptr ? nullptr : local_weights + first * num_topk;
+            } else if (input >= 0) {
                 const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
                 const int64_t weights = load_published(peers.base[d], kPubCombineInputWeights);
                 x_base[d] = data_of(peers.base[d]) + input + first * row_bytes;
@@ -397,74 +430,32 @@ __global__ void __launch_bounds__(kDataThreads) combine_reduce_kernel(Peers peer
     __syncthreads();
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int vectors = hidden / V::kElems;
-    for (int t = blockIdx.x * kWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kWarpsPerBlock) {
-        int count = 0;
-        for (int d0 = 0; d0 < num_ranks; d0 += kWarpSize) {
-            const int d = d0 + lane;
-            const bool hit = d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-            const unsigned mask = __ballot_sync(0xffffffffu, hit);
-            if (hit) {
-                const int slot = count + __popc(mask & ((1u << lane) - 1));
-                const int64_t position = send_pos[static_cast<int64_t>(t) * num_ranks + d];
-                rows[warp][slot] = x_base[d] + position * row_bytes;
-                weight_rows[warp][slot] = w_base[d] == nullptr ? nullptr : w_base[d] + position * num_topk;
-            }
-            count += __popc(mask);
-        }
+    for (int t = blockIdx.x * kDataWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kDataWarpsPerBlock) {
+        // Token t's rows, by destination rank ascending.
+        const bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+        const int count = warp_compact(num_ranks, lane, [&](int d) { return in_rank[d]; }, [&](int d, int slot) {
+            const int64_t position = send_pos[static_cast<int64_t>(t) * num_ranks + d];
+            rows[warp][slot] = x_base[d] + position * row_bytes;
+            weight_rows[warp][slot] = w_base[d] == nullptr ? nullptr : w_base[d] + position * num_topk;
+        });
         __syncwarp();
-        for (int i = lane; i < vectors; i += kWarpSize) {
-            float acc[V::kElems];
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
-            // Same order as the reference backend: bias0, bias1, then destination ranks ascending; plain adds
-            // (no fused multiply-add exists in a sum, so the compiler cannot reassociate it).
-            if (bias0 != nullptr) {
-                const int4 b = __ldg(reinterpret_cast<const int4*>(bias0 + static_cast<int64_t>(t) * hidden) + i);
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
-            }
-            if (bias1 != nullptr) {
-                const int4 b = __ldg(reinterpret_cast<const int4*>(bias1 + static_cast<int64_t>(t) * hidden) + i);
-#pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
-            }
-            // kSumBatch destinations' rows are loaded before they are summed (overlapping latencies), in rank order.
-            constexpr int kSumBatch = 8;
-            for (int j0 = 0; j0 < count; j0 += kSumBatch) {
-                int4 v[kSumBatch];
-#pragma unroll
-                for (int u = 0; u < kSumBatch; ++u)
-                    if (j0 + u < count) v[u] = reinterpret_cast<const int4*>(rows[warp][j0 + u])[i];
-#pragma unroll
-                for (int u = 0; u < kSumBatch; ++u) {
-                    if (j0 + u >= count) break;
-#pragma unroll
-                    for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v[u], k));
-                }
-            }
-            int4 o;
-#pragma unroll
-            for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
-            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden)[i] = o;
-        }
-        if (out_weights != nullptr && lane < num_topk) {
-            float acc = 0.0f;
-            for (int j = 0; j < count; ++j) acc = __fadd_rn(acc, weight_rows[warp][j][lane]);
-            out_weights[static_cast<int64_t>(t) * num_topk + lane] = acc;
-        }
+        // Bias first, then destination ranks ascending: the reference backend's order.
+        const int64_t first = static_cast<int64_t>(t) * hidden;
+        sum_token_rows(
+            bias0 != nullptr ? bias0 + first : nullptr, bias1 != nullptr ? bias1 + first : nullptr, count,
+            [&](int j) { return reinterpret_cast<const int4*>(rows[warp][j]); }, out + first, vectors, lane);
+        if (out_weights != nullptr && lane < num_topk)
+            out_weights[static_cast<int64_t>(t) * num_topk + lane] =
+                sum_token_weights(count, [&](int j) { return weight_rows[warp][j]; }, lane);
         __syncwarp();
     }
-}
-
-int data_grid(int num_sms, int64_t work_items) {
-    const int64_t needed = ceil_div<int64_t>(std::max<int64_t>(work_items, 1), kWarpsPerBlock);
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms, needed)));
 }
 
 }  // namespace
 
 DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk) {
-    const int64_t per_row = x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
+    const int64_t per_row =
+        x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
     const int64_t slack = 5 * kRegionAlignment;  // alignment padding between the five regions
     DispatchRegions r{};
     r.capacity = static_cast<int>(std::max<int64_t>(0, (static_cast<int64_t>(data_bytes) - slack) / per_row));
@@ -478,18 +469,17 @@ DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_r
 }
 
 int64_t dispatch_bytes(int64_t rows, int x_row_bytes, int scale_row_bytes, int num_topk, bool with_src) {
-    return align_up(rows * x_row_bytes, kRegionAlignment) + align_up(rows * scale_row_bytes, kRegionAlignment) +
-           align_up(rows * num_topk * static_cast<int64_t>(sizeof(int64_t)), kRegionAlignment) +
-           align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment) +
-           (with_src ? align_up(rows * static_cast<int64_t>(sizeof(int)), kRegionAlignment) : 0);
+    return receive_layout(rows, x_row_bytes, scale_row_bytes, num_topk, with_src).end;
 }
 
 int64_t combine_bytes(int64_t rows, int x_row_bytes, int num_topk) {
-    return align_up(rows * x_row_bytes, kRegionAlignment) + align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment);
+    return align_up(rows * x_row_bytes, kRegionAlignment) +
+           align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment);
 }
 
 int dispatch_capacity(int64_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk) {
-    const int64_t per_row = x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
+    const int64_t per_row =
+        x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
     const int64_t slack = 5 * kRegionAlignment;  // alignment padding of the five regions
     return static_cast<int>(std::max<int64_t>(0, (data_bytes - slack) / per_row));
 }
@@ -509,80 +499,83 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 }
 
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, CountReport* report,
-            int report_tag, int64_t timeout_ns, cudaStream_t stream) {
+            int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
+            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert,
+            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
+    EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
+                   scale_row_bytes, "/", num_topk, " does not pack");
     notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, count_matrix, rank_prefix_matrix, recv_per_expert,
-                                                         report, report_tag, timeout_ns);
+                                                         num_experts, expert_alignment, pool_bytes, block_offset, block_bytes, block_rows,
+                                                         x_row_bytes,
+                                                         scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
+                                                         go, report, report_tag, timeout_ns);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
-             cudaStream_t stream) {
+             cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     static_assert(kNumPublished <= kNumThreadsPerBlock, "one thread per published field");
     barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage,
-                                                          publish != nullptr ? *publish : Published{}, publish != nullptr);
+                                                          publish != nullptr ? *publish : Published{}, publish != nullptr,
+                                                          clear_input_error);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
               const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
-              const int* send_pos, const int* count_matrix, int num_tokens, int num_sms, cudaStream_t stream) {
+              const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens, int num_sms,
+              cudaStream_t stream) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
     if (num_tokens == 0) return;
-    dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreads, 0, stream>>>(
+    dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(
         peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, num_tokens);
+        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out, void* recv_x,
-              int x_row_bytes, void* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk,
-              int* recv_src_idx, int num_sms, cudaStream_t stream) {
+void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,
+              void* recv_x, int x_row_bytes, void* recv_scales, int scale_row_bytes, int64_t* recv_topk_idx, float* recv_topk_weights,
+              int num_topk, int* recv_src_idx, int num_sms, cudaStream_t stream) {
     // Launched even for rows_out == 0: the kernel is what reports num_recv > rows_out.
-    copy_out_kernel<<<data_grid(num_sms, rows_out), kDataThreads, 0, stream>>>(
+    copy_out_kernel<<<data_grid(num_sms, rows_out), kDataThreadsPerBlock, 0, stream>>>(
         data, regions, count_matrix, rank, num_ranks, rows_out, static_cast<char*>(recv_x), x_row_bytes, static_cast<char*>(recv_scales),
         scale_row_bytes, recv_topk_idx, recv_topk_weights, num_topk, recv_src_idx);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void finish_receive(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
-                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk, cudaStream_t stream) {
+void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx, int64_t* recv_topk_idx,
+                  float* recv_topk_weights, int num_topk, cudaStream_t stream) {
     if (rows_out == 0) return;
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(rows_out, kNumThreadsPerBlock), kMaxFinishBlocks));
-    finish_receive_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(src, count_matrix, rank, num_ranks, rows_out, recv_src_idx,
-                                                                    recv_topk_idx, recv_topk_weights, num_topk);
+    mark_padding_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(count_matrix, rank, num_ranks, rows_out, recv_src_idx, recv_topk_idx,
+                                                                  recv_topk_weights, num_topk);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
                   const int* count_matrix, int num_sms, cudaStream_t stream) {
-    combine_send_kernel<<<num_sms, kDataThreads, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
-                                                              topk_weights, num_topk, count_matrix);
+    combine_send_kernel<<<num_sms, kDataThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
+                                                                      topk_weights, num_topk, count_matrix);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
-                    const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type, const void* bias0,
-                    const void* bias1, void* out, float* out_weights, int num_topk, int num_sms, cudaStream_t stream) {
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
+                    int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos, int num_tokens,
+                    int hidden, FloatType type, const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk,
+                    int num_sms, cudaStream_t stream) {
     if (num_tokens == 0) return;
     const int grid = data_grid(num_sms, num_tokens);
-    if (type == FloatType::kBFloat16) {
-        EP_HOST_ASSERT(hidden % Vec<__nv_bfloat16>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<__nv_bfloat16><<<grid, kDataThreads, 0, stream>>>(
-            peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank, send_pos, num_tokens, hidden,
-            static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1), static_cast<__nv_bfloat16*>(out),
-            out_weights, num_topk);
-    } else {
-        EP_HOST_ASSERT(hidden % Vec<float>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<float><<<grid, kDataThreads, 0, stream>>>(peers, rows_x, rows_weights, rank, num_ranks, count_matrix, is_token_in_rank,
-                                                                        send_pos, num_tokens, hidden, static_cast<const float*>(bias0),
-                                                                        static_cast<const float*>(bias1), static_cast<float*>(out),
-                                                                        out_weights, num_topk);
-    }
+    with_float_type(type, [&](auto element) {
+        using T = decltype(element);
+        EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
+        combine_reduce_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(
+            peers, rows_x, rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+            send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out), out_weights,
+            num_topk);
+    });
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -22,11 +22,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common.cuh"
+#include "constants.h"
+
 namespace ep::intranode {
 
 constexpr int kMaxRanks = 128;     // ranks one IPC domain is sized for (NVL72 fits); the signal area scales with it
 constexpr int kMaxExperts = 8192;  // experts whose counts fit in the signal area
-constexpr int kMaxTopk = 16;       // widest top-k (DESIGN: NUM_MAX_TOPK)
 // Signal area at the start of every rank's buffer: barrier flags, this rank's per-rank and per-expert counts, and
 // the input error its last send-position pass found (read by peers during notify, so every rank raises together).
 constexpr size_t kFlagsOffset = 0;
@@ -36,13 +38,14 @@ constexpr size_t kInputErrorOffset = kExpertCountsOffset + sizeof(int) * kMaxExp
 constexpr size_t kSignalBytes = 64 * 1024;  // holds all of the above, and keeps data 64 KiB aligned
 
 // A bad input found on the device (contents the host cannot see without a sync). The first finder wins.
-enum InputErrorCode : int { kInputOk = 0, kTopkIdxOutOfRange = 1, kTokensPerRankMismatch = 2 };
+enum InputErrorCode : int { kInputOk = 0, kTopkIdxOutOfRange = 1, kTokensPerRankMismatch = 2, kRowShapeMismatch = 3 };
 struct InputError {
     int code;   // InputErrorCode
-    int where;  // kTopkIdxOutOfRange: token; kTokensPerRankMismatch: destination rank
-    int slot;   // kTopkIdxOutOfRange: top-k column; kTokensPerRankMismatch: the count is_token_in_rank gives
+    int where;  // kTopkIdxOutOfRange: token; kTokensPerRankMismatch: destination rank; kRowShapeMismatch: 0 x, 1 scales, 2 top-k
+    int slot;   // kTopkIdxOutOfRange: top-k column; kTokensPerRankMismatch: the count is_token_in_rank gives;
+                // kRowShapeMismatch: this rank's row bytes (x, scales) or top-k width
     int rank;   // filled by notify: the rank whose input it is
-    long long value;  // the bad expert id, or the num_tokens_per_rank entry
+    long long value;  // the bad expert id, the num_tokens_per_rank entry, or the peer's row bytes / top-k width
 };
 // Where this call's regions start in a rank's data area, published at the barrier before the data kernels
 // (-1: this call does not write that field). The rows entries bound the writes (a num_worst_tokens overflow traps
@@ -59,6 +62,12 @@ enum PublishedField : int {
     kPubCombineRows,
     kPubCombineInputX,        // the combine input itself, when it lies in the pool: sources pull from it
     kPubCombineInputWeights,  // likewise its top-k weights (-1 with a pulled x: no weights)
+    // A fresh dispatch's receive block, published by notify with the counts (the device lays the outputs out in it):
+    kPubBlockOffset,
+    kPubBlockBytes,
+    kPubBlockRows,  // num_worst_tokens, or -1: the rows the counts give
+    kPubRowShape,   // x row bytes, scale row bytes and top-k width, packed (every rank must send the same rows)
+    kPubPoolBytes,  // the rank's receive-pool size: growth is decided on the group's smallest, so all ranks agree
     kNumPublished
 };
 struct Published {
@@ -67,11 +76,38 @@ struct Published {
 constexpr size_t kPublishedOffset = (kInputErrorOffset + sizeof(InputError) + 63) / 64 * 64;
 static_assert(kPublishedOffset + sizeof(Published) <= kSignalBytes, "signal area too small");
 
+// Where a dispatch's outputs lie inside the receive block of `rows` rows: x | scales | top-k ids | top-k weights |
+// source indices, each region aligned. Host (carving the tensors) and device (senders addressing a receiver's
+// block) use this one function, so they agree by construction. Absent fields take no bytes.
+struct ReceiveLayout {
+    int64_t x, scales, topk, weights, src, end;  // byte offsets from the block's start; `end` = bytes the block needs
+};
+__host__ __device__ inline ReceiveLayout receive_layout(int64_t rows, int x_row_bytes, int scale_row_bytes, int num_topk, bool with_src) {
+    constexpr int64_t kAlign = kRegionAlignment;
+    ReceiveLayout l{};
+    l.x = 0;
+    l.scales = l.x + align_up(rows * x_row_bytes, kAlign);
+    l.topk = l.scales + align_up(rows * scale_row_bytes, kAlign);
+    l.weights = l.topk + align_up(rows * num_topk * static_cast<int64_t>(sizeof(int64_t)), kAlign);
+    l.src = l.weights + align_up(rows * num_topk * static_cast<int64_t>(sizeof(float)), kAlign);
+    l.end = l.src + (with_src ? align_up(rows * static_cast<int64_t>(sizeof(int)), kAlign) : 0);
+    return l;
+}
+
+// Where a fresh dispatch writes into one receiver: offsets in its data area (-1: field not written) and its rows.
+// Notify computes them for every receiver from the published blocks and the count matrix, so the data kernel runs
+// right after it, with no host round trip and no second barrier.
+struct ReceiverRegions {
+    int64_t x, scales, topk, weights, src, rows;
+};
+
 // What a fresh dispatch's count exchange reports to the host, in host-mapped pinned memory that the host polls
 // (no stream sync, no device-to-host copy). `tag` is written last, after everything else is visible.
 struct CountReport {
     int tag;
     InputError error;  // the lowest rank's error, code kInputOk if none
+    int fits;          // 1: every receiver's rows fit in the block it published (the data kernel ran), else 0
+    long long min_pool_bytes;  // the smallest receive pool of the group
     int count_matrix[kMaxRanks * kMaxRanks];
     int recv_per_expert[kMaxExperts];
 };
@@ -110,44 +146,52 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
                     cudaStream_t stream);
 
-// Writes this rank's counts into its own signal area, waits for all ranks, reads everyone's counts:
+// The fresh dispatch's count exchange. Writes this rank's counts, its pool size and its receive block (offset, bytes,
+// fixed rows or -1, row shape) into its own signal area, waits for all ranks, reads everyone's counts:
 // count_matrix[s * num_ranks + d] = tokens rank s sends to rank d; rank_prefix_matrix[s][d] = sum over s' <= s;
 // recv_per_expert[e] = tokens this rank receives for local expert e, rounded up to expert_alignment (skipped when
-// num_tokens_per_expert is null). `report` (host-mapped, may be null) gets the count matrix, the per-expert counts
-// and the lowest rank's input error, then `report_tag`. Then waits again so nobody overwrites counts (or clears its
-// error) while a peer is still reading them.
+// num_tokens_per_expert is null). For every receiver it lays out the outputs in that receiver's block (`plan`) and
+// sets `go` to 1 when every receiver's rows fit and no rank's input is bad, else 0 (the data kernel then does nothing
+// and the host takes the slow path or raises). `report` (host-mapped) gets the count matrix, the per-expert counts,
+// the lowest rank's input error and `fits`, then `report_tag`. No closing barrier: peers read the counts, blocks
+// and errors of this call before they reach the dispatch's data barrier, and nobody rewrites them before that.
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int* count_matrix, int* rank_prefix_matrix,
-            int* recv_per_expert, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream);
+            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset,
+            int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix,
+            int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag,
+            int64_t timeout_ns, cudaStream_t stream);
 
-// Timed barrier over all ranks (one block). With `publish`, this rank's offsets go to its signal area first.
+// Timed barrier over all ranks (one block). With `publish`, this rank's offsets go to its signal area first. With
+// `clear_input_error`, this rank's recorded input error is cleared after it (every peer has read it by then).
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
-             cudaStream_t stream);
+             cudaStream_t stream, bool clear_input_error = false);
 
-// Sender side: writes every (token, destination) pair straight into the destination's output regions (published
-// offsets) at its final row. topk_idx/topk_weights may be null (then nothing is written for them); scales may be null.
+// Sender side: writes every (token, destination) pair straight into the destination's output regions at its final
+// row. The regions come from `plan` (notify's, on this device; nothing is written unless *go) or, with a null plan,
+// from the offsets each destination published at the barrier before. topk_idx/topk_weights may be null (then
+// nothing is written for them); scales may be null.
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
               int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
-              const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, int num_tokens, int num_sms,
-              cudaStream_t stream);
+              const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go,
+              int num_tokens, int num_sms, cudaStream_t stream);
 
-// Receiver side, after the data barrier: recv_src_idx[row] = the source index peers wrote into the transient `src`
-// region, and rows [num_recv, rows_out) get recv_src_idx = -1, topk_idx = -1 and weight 0 (num_worst_tokens padding;
-// recv_x padding is left unspecified). topk outputs may be null.
-void finish_receive(const int* src, const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
-                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk, cudaStream_t stream);
+// Receiver side of a num_worst_tokens dispatch, after the data barrier: rows [num_recv, rows_out) get recv_src_idx = -1,
+// topk_idx = -1 and weight 0 (recv_x padding is left unspecified). topk outputs may be null.
+void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx, int64_t* recv_topk_idx,
+                  float* recv_topk_weights, int num_topk, cudaStream_t stream);
 
-// Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from.
+// Expert side of combine: row r (from source s) goes to s's published combine region at the row s sent it from
+// (except this rank's own rows, which its reduce reads in place).
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
                   int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
-
-enum class FloatType : int { kBFloat16 = 0, kFloat32 = 1 };
 
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
 // rows_x / rows_weights: this rank's combine region (where peers that did not publish their input pushed the rows);
-// rows of peers that published their combine input are read (pulled) straight from it.
-void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, int rank, int num_ranks, const int* count_matrix,
+// rows of peers that published their combine input are read (pulled) straight from it, and this rank's own rows from
+// its input local_x / local_weights (combine_send skips them).
+void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
+                    int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,
                     const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk, int num_sms,
                     cudaStream_t stream);

@@ -10,13 +10,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/constants.h"
 #include "kernels/logfmt.cuh"
 
 namespace ep {
 namespace logfmt {
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kPerLane = kGroupSize / kWarpSize;  // 4 channels per lane
 constexpr int kWarpsPerBlock = 8;                 // 256 threads: enough blocks to fill the GPU for ~1e5 groups
 constexpr double kMinClip = 32.0;                 // log2 range below amax that codes reach
@@ -44,8 +44,8 @@ __global__ void roundtrip_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloa
         }
 #pragma unroll
         for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-            amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, offset), amax);
-            amin = nan_min(__shfl_xor_sync(0xffffffffu, amin, offset), amin);
+            amax = nan_max(__shfl_xor_sync(kFullWarpMask, amax, offset), amax);
+            amin = nan_min(__shfl_xor_sync(kFullWarpMask, amin, offset), amin);
         }
         const double log_amax = log2(amax);
         const double clipped = log_amax - kMinClip;

@@ -10,13 +10,13 @@
 #include <climits>
 
 #include "kernels/common.cuh"
+#include "kernels/constants.h"
 #include "kernels/copy.cuh"
 #include "kernels/sync.cuh"
 
 namespace ep::low_latency {
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kThreads = 512;  // 16 warps: the receive kernel (a warp per message) and the sum
 constexpr int kWarps = kThreads / kWarpSize;
 // The warp-per-item kernels (plan, send, combine send) run in small blocks: the same threads over 4x the SMs, so a
@@ -26,11 +26,6 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kSmallThreads = 128;
 constexpr int kSmallWarps = kSmallThreads / kWarpSize;
 constexpr int kSmallPerFull = kThreads / kSmallThreads;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// FP8 cast (bit-exact with ep_dispatcher.fp8): scale = max(amax, floor) / 448, true division.
-constexpr float kFp8Max = 448.0f;
-constexpr float kAmaxFloor = 1e-4f;
 
 // Token-parallel send: a warp step covers one token's kStepChannels channels, kLaneChannels per lane (two 16-byte BF16
 // vectors, one 16-byte FP8 vector), so a 128-channel FP8 group is kLanesPerGroup lanes and a step kGroupsPerStep groups.
@@ -96,22 +91,28 @@ __device__ __forceinline__ uint64_t make_signal(unsigned long long epoch, uint32
     return (static_cast<uint64_t>(epoch) << 32) | low;
 }
 
-// Spins until `signal`'s epoch (upper 32 bits) equals `epoch`; returns the value. Times out with a report.
-__device__ __forceinline__ uint64_t wait_signal(const uint64_t* signal, unsigned long long epoch, const Half& h, const char* stage,
+// Spins until `signal`'s epoch (upper 32 bits) equals `epoch`; returns the value. Times out with a report naming the
+// peer and the expert (-1 for an ack).
+__device__ __forceinline__ uint64_t wait_signal(const uint64_t* signal, unsigned long long epoch, const Half& h, sync::Stage stage,
                                                 int peer, int expert) {
-    const uint64_t start = sync::global_timer_ns();
     const uint32_t want = static_cast<uint32_t>(epoch);
-    while (true) {
-        const uint64_t v = sync::load_acquire_sys(signal);
-        // Exact match: a stale value from an older epoch, or bytes left by a call of another shape, never passes.
-        if (static_cast<uint32_t>(v >> 32) == want) return v;
-        if (sync::global_timer_ns() - start > static_cast<uint64_t>(h.timeout_ns)) {
-            printf("ep_dispatcher: timeout after %lld ms on rank %d, low-latency %s (buffer half %d, epoch %u): waiting for rank %d, "
-                   "expert %d\n",
-                   static_cast<long long>(h.timeout_ns / 1000000), h.rank, stage, h.half, want, peer, expert);
-            asm volatile("trap;");
-        }
-    }
+    sync::WaitSite site{stage, h.rank, peer};
+    site.expert = expert;
+    site.half = h.half;
+    // Exact match: a stale value from an older epoch, or bytes left by a call of another shape, never passes.
+    return sync::timed_wait(signal, [want](uint64_t v) { return static_cast<uint32_t>(v >> 32) == want; }, h.timeout_ns, epoch, site);
+}
+
+// wait_signal, and the SM clock cycles (clock64, as DeepEP) it spun added to `wait_stats[peer]` (int64 [R], accumulated
+// across calls) when `record` (one waiting thread per signal in the grid, so each wait is counted once) and the
+// caller passed stats. One atomicAdd per wait, after it ends: nothing is added per spin.
+__device__ __forceinline__ uint64_t wait_signal_timed(const uint64_t* signal, unsigned long long epoch, const Half& h, sync::Stage stage,
+                                                      int peer, int expert, int64_t* wait_stats, bool record) {
+    const long long start = clock64();
+    const uint64_t v = wait_signal(signal, epoch, h, stage, peer, expert);
+    if (record && wait_stats != nullptr)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + peer), static_cast<unsigned long long>(clock64() - start));
+    return v;
 }
 
 __device__ __forceinline__ uint64_t* dispatch_signals(const Layout& L, const Half& h) {
@@ -125,7 +126,7 @@ __device__ __forceinline__ uint64_t* acks(const Layout& L, const Half& h) { retu
 // Run by a whole block before it writes into peers' halves: every peer has read this half's previous use (epoch - 1).
 // Every sender writes (at least a signal) to every peer, so every block waits for every ack; after the first block
 // the waits find them set.
-__device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, unsigned long long next_epoch, const char* stage) {
+__device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, unsigned long long next_epoch, sync::Stage stage) {
     if (next_epoch > 1)
         for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) wait_signal(acks(L, h) + pe, next_epoch - 1, h, stage, pe, -1);
     __syncthreads();  // the acquiring threads' view passes to the whole block
@@ -194,11 +195,11 @@ __device__ __forceinline__ void build_prefixes(const Layout& L, int* begin, int*
             int sum = le < E_local ? begin[le * (R + 1) + R] : 0;
 #pragma unroll
             for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-                const int below = __shfl_up_sync(kFullMask, sum, offset);
+                const int below = __shfl_up_sync(kFullWarpMask, sum, offset);
                 if (lane >= offset) sum += below;
             }
             if (le < E_local) start[le + 1] = carry + sum;  // inclusive prefix: experts 0..le
-            carry += __shfl_sync(kFullMask, sum, kWarpSize - 1);
+            carry += __shfl_sync(kFullWarpMask, sum, kWarpSize - 1);
         }
         if (lane == 0) start[0] = 0;
     }
@@ -247,8 +248,8 @@ __device__ __forceinline__ int4 cast_to_fp8(const int4 (&raw)[2], bool active, b
         for (int j = 0; j < kLaneChannels; ++j) amax = fmaxf(amax, fabsf(v[j]));
     }
 #pragma unroll
-    for (int offset = kLanesPerGroup / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-    scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+    for (int offset = kLanesPerGroup / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullWarpMask, amax, offset));
+    scale = __fdiv_rn(fmaxf(amax, kFp8AmaxFloor), kFp8Max);
     if (round_scale) scale = round_up_pow2(scale);
     uint32_t packed[4];
 #pragma unroll
@@ -294,13 +295,13 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kerne
             for (int u = 0; u < kScanBatch; ++u) {
                 const int base = batch + u * kWarpSize, entry = base + lane;
                 const bool match = ids[u] == expert;
-                const unsigned matches = __ballot_sync(kFullMask, match);
+                const unsigned matches = __ballot_sync(kFullWarpMask, match);
                 if (matches == 0) continue;  // warp-uniform
                 const int token = entry / num_topk;
                 const unsigned below = matches & lanes_below;
                 const int previous_token = below != 0 ? (base + kWarpSize - 1 - __clz(below)) / num_topk : last_token;
                 const bool repeat = match && previous_token == token;
-                const unsigned kept = __ballot_sync(kFullMask, match && !repeat);
+                const unsigned kept = __ballot_sync(kFullWarpMask, match && !repeat);
                 if (match) {
                     send_slot[entry] = repeat ? -1 : count + __popc(kept & lanes_below);
                     if (repeat) report_bad_entry(h, kErrorDispatchRepeat, token, entry % num_topk, expert);
@@ -317,8 +318,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kerne
 // (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
 // entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
 template <bool kUseFP8>
-__device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert, int lane_slot,
-                                          int num_topk, bool round_scale, int lane, bool& issued_puts) {
+__device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert,
+                                          int lane_slot, int num_topk, bool round_scale, int lane, bool& issued_puts) {
     constexpr int kBytesPerChannel = kUseFP8 ? 1 : 2;
     constexpr int kVectors = kUseFP8 ? 1 : 2;  // 16-byte vectors per lane
     const int H = L.hidden;
@@ -334,7 +335,7 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
 
     // Peers reached by NVSHMEM puts read the step from the token's staged message (a put's source is symmetric).
     const int lane_pe = lane_slot >= 0 ? lane_expert / L.num_local_experts : 0;
-    const bool any_put = __ballot_sync(kFullMask, lane_slot >= 0 && h.peer_base[lane_pe] == 0) != 0;
+    const bool any_put = __ballot_sync(kFullWarpMask, lane_slot >= 0 && h.peer_base[lane_pe] == 0) != 0;
     uint8_t* staged = h.local + L.send_offset() + int64_t(t) * L.dispatch_msg_bytes;
     if (any_put) {
         if (active)
@@ -346,8 +347,8 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
         __syncwarp();
     }
     for (int k = 0; k < num_topk; ++k) {
-        const int slot = __shfl_sync(kFullMask, lane_slot, k);
-        const int expert = __shfl_sync(kFullMask, lane_expert, k);
+        const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
+        const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
         if (slot < 0) continue;  // warp-uniform
         const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
         uint8_t* msg = h.local + L.recv_offset() +
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, const int* send_slot, const int* expert_count,
                        int num_tokens, int num_topk, bool round_scale) {
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
-    wait_all_acks(L, h, epoch, "dispatch send (peer has not read this half's previous use)");
+    wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
     const int lane = threadIdx.x % kWarpSize;
     const int warp = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize, num_warps = gridDim.x * kSmallWarps;
     const int H = L.hidden;
@@ -436,7 +437,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 // inside a source. Block 0 writes the counts and the handle's ranges; all blocks mark the unused slots.
 template <bool kUseFP8, bool kUE8M0>
 __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
-                                                                  int64_t* layout_range, int* recv_count, int* cumulative_stats) {
+                                                                  int64_t* layout_range, int* recv_count, int* cumulative_stats,
+                                                                  int64_t* wait_stats) {
     extern __shared__ int prefix[];
     __shared__ unsigned long long epoch_shared;
     const int R = L.num_ranks, T = L.max_tokens, H = L.hidden, E_local = L.num_local_experts;
@@ -446,8 +448,11 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
+    // Every block waits for every count; block 0's waits are the ones recorded: one per (local expert, source rank), as
+    // DeepEP adds one per (expert, source) it waits for.
     build_prefixes(L, begin, start, [&](int pair) {
-        const uint64_t v = wait_signal(dispatch_signals(L, h) + pair, epoch, h, "dispatch receive", pair % R, h.rank * E_local + pair / R);
+        const uint64_t v = wait_signal_timed(dispatch_signals(L, h) + pair, epoch, h, sync::kStageLowLatencyDispatchRecv, pair % R,
+                                             h.rank * E_local + pair / R, wait_stats, blockIdx.x == 0);
         return static_cast<int>(v & 0xffffffffu);
     });
     if (blockIdx.x == 0) {
@@ -462,7 +467,8 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
         }
     }
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E_local) * num_slots; i += num_threads)
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E_local) * num_slots;
+         i += num_threads)
         if (i % num_slots >= begin[(i / num_slots) * (R + 1) + R]) src_info[i] = -1;
 
     const int lane = threadIdx.x % kWarpSize;
@@ -489,11 +495,13 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
                     uint32_t packed = 0;
 #pragma unroll
                     for (int b4 = 0; b4 < 4; ++b4) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b4)) >> 23) & 0xffu) << (8 * b4);
-                    static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] = packed;
+                    static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] =
+                        packed;
                 }
             } else {
                 for (int g = lane; g < groups; g += kWarpSize)
-                    static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] = __ldcg(scales + g);
+                    static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] =
+                        __ldcg(scales + g);
             }
         }
     }
@@ -511,7 +519,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     int* begin = prefix;
     int* start = prefix + E_local * (R + 1);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
-    wait_all_acks(L, h, epoch, "combine send (peer has not read this half's previous use)");
+    wait_all_acks(L, h, epoch, sync::kStageLowLatencyCombineSend);
     // The ranges are the exclusive prefixes of their counts (the receive kernel wrote them so).
     build_prefixes(L, begin, start, [&](int pair) { return static_cast<int>(layout_range[pair] & 0xffffffff); });
     const int lane = threadIdx.x % kWarpSize;
@@ -529,7 +537,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
         const int64_t offset = chunk * kChunkBytes, bytes = row_bytes - offset < kChunkBytes ? row_bytes - offset : kChunkBytes;
         const int64_t src_row = local_expert * num_slots + slot;
         const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + src_row * row_bytes + offset;
-        uint8_t* dst = h.local + L.recv_offset() + ((static_cast<int64_t>(h.rank) * E_local + local_expert) * T + (slot - b[pe])) * row_bytes + offset;
+        uint8_t* dst =
+            h.local + L.recv_offset() + ((static_cast<int64_t>(h.rank) * E_local + local_expert) * T + (slot - b[pe])) * row_bytes + offset;
         if (h.peer_base[pe] == 0) {
             if (!x_is_staged) {  // NVSHMEM puts read symmetric memory: stage the chunk first
                 uint8_t* staged = h.local + L.send_offset() + src_row * row_bytes + offset;
@@ -557,13 +566,16 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
 // Entries without a slot (-1, skipped in dispatch) add nothing; ids out of range are reported and skipped.
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
-                                                                  const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out) {
+                                                                  const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
+                                                                  int64_t* wait_stats) {
     __shared__ unsigned long long epoch_shared;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
+    // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
     for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x)
-        wait_signal(combine_signals(L, h) + e, epoch, h, "combine receive", e / L.num_local_experts, e);
+        wait_signal_timed(combine_signals(L, h) + e, epoch, h, sync::kStageLowLatencyCombineRecv, e / L.num_local_experts, e, wait_stats,
+                          blockIdx.x == 0);
     __syncthreads();
     const int chunks = L.hidden / 8;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
@@ -617,7 +629,8 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
 // Small-block grid for `warps` warp items, within the thread budget of max_blocks full blocks (at least one block:
 // the send kernels' last block signals even when there is nothing to move).
 int small_grid(int64_t warps, int max_blocks) {
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(warps, kSmallWarps), int64_t(max_blocks) * kSmallPerFull)));
+    return static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(warps, kSmallWarps), int64_t(max_blocks) * kSmallPerFull)));
 }
 int plan_grid(const Layout& L, int max_blocks) { return small_grid(L.num_experts, max_blocks); }
 int send_grid(const Layout& L, int max_blocks, int num_tokens) {
@@ -625,7 +638,8 @@ int send_grid(const Layout& L, int max_blocks, int num_tokens) {
 }
 // Receivers size for the most messages the layout allows (the counts are only known on the device).
 int receive_grid(const Layout& L, int max_blocks) {
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, kWarps))));
+    return static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>(max_blocks, ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, kWarps))));
 }
 int combine_send_grid(const Layout& L, int max_blocks) {
     return small_grid(int64_t(L.num_experts) * L.max_tokens * ceil_div<int64_t>(2 * int64_t(L.hidden), kChunkBytes), max_blocks);
@@ -652,9 +666,9 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
     L.dispatch_msg_bytes = align_up(kHeaderBytes + std::max<int64_t>(2 * hidden, hidden + hidden / kFp8GroupSize * 4), 16);
     const int64_t combine_msg_bytes = align_up(kHeaderBytes + 2 * int64_t(hidden), 16);
     const int64_t slots = int64_t(num_experts) * max_tokens;  // == E_local * R * T
-    L.send_bytes = align_up(std::max(int64_t(max_tokens) * L.dispatch_msg_bytes, slots * combine_msg_bytes), 128);
-    L.recv_bytes = align_up(slots * std::max(L.dispatch_msg_bytes, combine_msg_bytes), 128);
-    L.signal_bytes = align_up(int64_t(num_experts) * 16 + int64_t(num_ranks) * 8, 128);
+    L.send_bytes = align_up(std::max(int64_t(max_tokens) * L.dispatch_msg_bytes, slots * combine_msg_bytes), kRegionAlignment);
+    L.recv_bytes = align_up(slots * std::max(L.dispatch_msg_bytes, combine_msg_bytes), kRegionAlignment);
+    L.signal_bytes = align_up(int64_t(num_experts) * 16 + int64_t(num_ranks) * 8, kRegionAlignment);
     L.half_bytes = L.send_bytes + L.recv_bytes + L.signal_bytes;
     return L;
 }
@@ -663,30 +677,33 @@ void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t*
                    bool round_scale, int* plan, cudaStream_t stream) {
     int* send_slot = plan;
     int* expert_count = plan + static_cast<int64_t>(num_tokens) * num_topk;
-    plan_sends_kernel<<<plan_grid(L, h.max_blocks), kSmallThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot, expert_count);
+    plan_sends_kernel<<<plan_grid(L, h.max_blocks), kSmallThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot,
+                                                                                expert_count);
     EP_CUDA_CHECK(cudaGetLastError());
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     if (use_fp8)
-        send_tokens_kernel<true><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
+        send_tokens_kernel<true>
+            <<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
     else
-        send_tokens_kernel<false><<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
+        send_tokens_kernel<false>
+            <<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
-                   int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream) {
+                   int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream) {
     const size_t shared = prefix_shared_bytes(L);
     const dim3 grid(receive_grid(L, h.max_blocks));
     if (!use_fp8)
-        receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                                 cumulative_stats);
+        receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range,
+                                                                                recv_count, cumulative_stats, wait_stats);
     else if (use_ue8m0)
         receive_tokens_kernel<true, true><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                               cumulative_stats);
+                                                                               cumulative_stats, wait_stats);
     else
-        receive_tokens_kernel<true, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                                cumulative_stats);
+        receive_tokens_kernel<true, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range,
+                                                                               recv_count, cumulative_stats, wait_stats);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -697,9 +714,9 @@ void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_stage
 }
 
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
-                  int num_topk, void* out, int num_sms, cudaStream_t stream) {
+                  int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream) {
     reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, 0, stream>>>(
-        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
+        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), wait_stats);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

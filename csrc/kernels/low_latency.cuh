@@ -32,10 +32,11 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace ep::low_latency {
 
 constexpr int kHeaderBytes = 16;  // a message's header: source token index (int32) + padding to 16 bytes
-constexpr int kFp8GroupSize = 128;
 constexpr int kMaxRanks = 1024;                      // shared-memory prefix arrays in the receive kernels
 constexpr int kMaxPrefixSharedBytes = 48 * 1024;     // their size: the default dynamic shared-memory limit
 
@@ -93,14 +94,17 @@ struct Half {
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
                    bool use_fp8, bool round_scale, int* plan, cudaStream_t stream);
 
+// `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the receive kernel spun waiting for each
+// source rank's signals, one add per waited signal: dispatch per (local expert, source rank) count, combine per expert
+// flag (added to the rank that holds the expert). DeepEP's dispatch/combine_wait_recv_cost_stats.
 void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
-                   int64_t* layout_range, int* recv_count, int* cumulative_stats, cudaStream_t stream);
+                   int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream);
 
 void combine_send(const Layout& layout, const Half& half, const void* x, bool x_is_staged, const int64_t* layout_range,
                   cudaStream_t stream);
 
 void combine_recv(const Layout& layout, const Half& half, const int64_t* topk_idx, const float* topk_weights, const int* send_slot,
-                  int num_tokens, int num_topk, void* out, int num_sms, cudaStream_t stream);
+                  int num_tokens, int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream);
 
 // The widest grid a dispatch or combine of `num_tokens` tokens launches, in 512-thread block equivalents (what the
 // benchmark reports as the call's share of the SMs).

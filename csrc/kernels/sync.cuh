@@ -1,10 +1,10 @@
-// Memory-ordering primitives and the timed cross-rank barrier of the intranode kernels (the 64-bit flags also serve
-// the NVSHMEM engines).
+// Memory-ordering primitives and the one timed wait of every engine (intranode, internode, low latency), with the
+// stage names its timeout report prints; also the timed cross-rank barrier of the intranode kernels.
 //
-// Ranks signal each other through int flags in each other's CUDA-IPC buffers. A flag store is a system-scope
-// release (everything this rank wrote before it, to any GPU, is visible before the flag), a flag load is a
-// system-scope acquire. Every wait gives up after `timeout_ns` and reports rank, peer and stage, then traps so
-// the host sees a CUDA error instead of hanging forever.
+// Ranks signal each other through flags in each other's buffers (CUDA-IPC mappings, NVSHMEM symmetric memory). A flag
+// store is a system-scope release (everything this rank wrote before it, to any GPU, is visible before the flag), a
+// flag load is a system-scope acquire. Every wait (timed_wait) gives up after `timeout_ns` and reports rank, peer and
+// stage, then traps so the host sees a CUDA error instead of hanging forever.
 #pragma once
 
 #include <cstdint>
@@ -48,11 +48,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-
 __device__ __forceinline__ const char* stage_name(int stage) {
     switch (stage) {
         case kStageNotifyCounts: return "notify: waiting for peers' counts";
-        case kStageNotifyDone: return "notify: waiting for peers to finish reading counts";
         case kStageDispatchData: return "dispatch: waiting for peers' token writes";
         case kStageCombineReady: return "combine: waiting for peers to be ready to receive";
         case kStageCombineData: return "combine: waiting for peers' expert outputs";
@@ -65,7 +63,60 @@ __device__ __forceinline__ const char* stage_name(int stage) {
         case kStageInternodeCombineStart: return "combine: waiting for the peer to finish its previous call";
         case kStageInternodeCombineNvl: return "combine: waiting for the peer's expert outputs (NVLink leg)";
         case kStageInternodeCombineRdma: return "combine: waiting for the peer's node partials (RDMA leg)";
+        case kStageLowLatencyDispatchSend: return "dispatch send: waiting for the peer to read this half's previous use";
+        case kStageLowLatencyDispatchRecv: return "dispatch receive: waiting for the peer's token count";
+        case kStageLowLatencyCombineSend: return "combine send: waiting for the peer to read this half's previous use";
+        case kStageLowLatencyCombineRecv: return "combine receive: waiting for the expert's outputs";
         default: return "unknown stage";
+    }
+}
+
+// Who waits for whom, for a timeout report (besides the stage and the epoch).
+struct WaitSite {
+    int stage;        // Stage: what is awaited
+    int rank;         // the waiting rank
+    int peer;         // the rank whose signal is awaited
+    int node = -1;    // internode: the waiting rank's node
+    int expert = -1;  // low latency: the expert whose signal it is (-1: an ack, no expert)
+    int half = -1;    // low latency: the buffer half
+};
+
+// The timeout report: one line naming timeout, rank, peer, stage, the epoch awaited and the value last seen, in the
+// words of the stage's engine (internode ranks also name their node; low-latency waits their expert and half, and
+// compare the upper 32 bits of a signal with the low 32 bits of the epoch).
+__device__ __forceinline__ void report_timeout(const WaitSite& site, int64_t timeout_ns, unsigned long long epoch,
+                                               unsigned long long have) {
+    const long long ms = static_cast<long long>(timeout_ns / 1000000);
+    switch (stage_engine(site.stage)) {
+        case Engine::kIntranode:
+            printf("ep_dispatcher: timeout after %lld ms on rank %d waiting for peer %d, stage '%s' (epoch %llu, have %llu)\n", ms,
+                   site.rank, site.peer, stage_name(site.stage), epoch, have);
+            break;
+        case Engine::kInternode:
+            printf("ep_dispatcher: timeout after %lld ms on rank %d (node %d) waiting for rank %d, internode stage '%s' (epoch %llu, "
+                   "have %llu)\n",
+                   ms, site.rank, site.node, site.peer, stage_name(site.stage), epoch, have);
+            break;
+        case Engine::kLowLatency:
+            printf("ep_dispatcher: timeout after %lld ms on rank %d waiting for rank %d, expert %d, low-latency stage '%s' (buffer half "
+                   "%d, epoch %llu, have %llu)\n",
+                   ms, site.rank, site.peer, site.expert, stage_name(site.stage), site.half, epoch & 0xffffffffull, have >> 32);
+            break;
+    }
+}
+
+// Spins until ready(load_acquire_sys(flag)) holds and returns the value that passed; `epoch` (what the flag must
+// reach) only feeds the report. After `timeout_ns` it prints report_timeout's line and traps.
+template <typename T, typename Ready>
+__device__ __forceinline__ T timed_wait(const T* flag, Ready&& ready, int64_t timeout_ns, unsigned long long epoch, const WaitSite& site) {
+    const uint64_t start = global_timer_ns();
+    while (true) {
+        const T value = load_acquire_sys(flag);
+        if (ready(value)) return value;
+        if (global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+            report_timeout(site, timeout_ns, epoch, static_cast<unsigned long long>(value));
+            asm volatile("trap;");
+        }
     }
 }
 
@@ -80,16 +131,11 @@ __device__ __forceinline__ void block_barrier(int* const* peer_flags, int* my_fl
     __syncthreads();
     const int e = next_epoch;
     if (threadIdx.x < num_ranks) {
+        const int peer = static_cast<int>(threadIdx.x);
         __threadfence_system();  // this rank's earlier writes (this kernel and earlier ones) before the flag
-        store_release_sys(peer_flags[threadIdx.x] + rank, e);
-        const uint64_t start = global_timer_ns();
-        while (load_acquire_sys(my_flags + threadIdx.x) < e) {
-            if (global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-                printf("ep_dispatcher: timeout after %lld ms on rank %d waiting for peer %d, stage '%s' (epoch %d)\n",
-                       static_cast<long long>(timeout_ns / 1000000), rank, static_cast<int>(threadIdx.x), stage_name(stage), e);
-                asm volatile("trap;");
-            }
-        }
+        store_release_sys(peer_flags[peer] + rank, e);
+        timed_wait(my_flags + peer, [e](int flag) { return flag >= e; }, timeout_ns, static_cast<unsigned long long>(e),
+                   WaitSite{stage, rank, peer});
     }
     __syncthreads();
     if (threadIdx.x == 0) *epoch = e;

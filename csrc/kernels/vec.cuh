@@ -1,7 +1,12 @@
-// 16-byte vectors of BF16 or fp32 elements as the combine kernels sum them (fp32 accumulation either way).
+// 16-byte vectors of BF16 or fp32 elements as the combine kernels sum them (fp32 accumulation either way), the
+// float-type dispatch of their launchers, and the per-token sum both high-throughput engines reduce with.
 #pragma once
 
 #include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "constants.h"
 
 namespace ep {
 
@@ -19,5 +24,68 @@ struct Vec<float> {
     __device__ static float get(const int4& v, int i) { return reinterpret_cast<const float*>(&v)[i]; }
     __device__ static void set(int4& v, int i, float f) { reinterpret_cast<float*>(&v)[i] = f; }
 };
+
+// Calls launch(T{}) with T the element type `type` names (__nv_bfloat16 or float): one place turns the host's
+// FloatType into a kernel's template argument.
+template <typename Launch>
+void with_float_type(FloatType type, Launch&& launch) {
+    if (type == FloatType::kBFloat16)
+        launch(__nv_bfloat16{});
+    else
+        launch(float{});
+}
+
+// Loads of kSumBatch rows' vectors are issued before any of them is summed, so their latencies overlap; the sum still
+// runs in row order.
+constexpr int kSumBatch = 8;
+
+// One warp sums one token's rows, a 16-byte vector per lane step over `vectors` vectors:
+//   out = bias0 + bias1 + row(0) + row(1) + ... + row(count - 1)
+// in fp32, with __fadd_rn in exactly that order (the reference backend's), rounded once to T. A null bias is skipped.
+// The order is what makes the engines bit-exact: plain adds (a sum has no multiply a compiler could fuse, and
+// __fadd_rn is never reassociated). `row(j)` gives the j-th row's first vector; biases are read-only for the kernel.
+template <typename T, typename Row>
+__device__ __forceinline__ void sum_token_rows(const T* bias0, const T* bias1, int count, Row&& row, T* out, int vectors, int lane) {
+    using V = Vec<T>;
+    for (int i = lane; i < vectors; i += kWarpSize) {
+        float acc[V::kElems];
+#pragma unroll
+        for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
+        if (bias0 != nullptr) {
+            const int4 b = __ldg(reinterpret_cast<const int4*>(bias0) + i);
+#pragma unroll
+            for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+        }
+        if (bias1 != nullptr) {
+            const int4 b = __ldg(reinterpret_cast<const int4*>(bias1) + i);
+#pragma unroll
+            for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+        }
+        for (int j0 = 0; j0 < count; j0 += kSumBatch) {
+            int4 v[kSumBatch];
+#pragma unroll
+            for (int u = 0; u < kSumBatch; ++u)
+                if (j0 + u < count) v[u] = row(j0 + u)[i];
+#pragma unroll
+            for (int u = 0; u < kSumBatch; ++u) {
+                if (j0 + u >= count) break;
+#pragma unroll
+                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v[u], k));
+            }
+        }
+        int4 o;
+#pragma unroll
+        for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
+        reinterpret_cast<int4*>(out)[i] = o;
+    }
+}
+
+// The top-k weights of the same token: lane k returns weight_row(0)[k] + weight_row(1)[k] + ..., fp32, in row order.
+template <typename WeightRow>
+__device__ __forceinline__ float sum_token_weights(int count, WeightRow&& weight_row, int lane) {
+    float acc = 0.0f;
+    for (int j = 0; j < count; ++j) acc = __fadd_rn(acc, weight_row(j)[lane]);
+    return acc;
+}
 
 }  // namespace ep

@@ -1,8 +1,8 @@
 // One rank's CUDA-IPC buffer for the intranode kernels, and the mapping of every peer's buffer.
 //
 // Layout of each buffer: a signal area (intranode.cuh: barrier flags, counts, published offsets) followed by the data
-// area, the receive pool whose regions the dispatch outputs own and dispatch/combine write rows into. The barrier epoch lives in a separate, private device word so that kernels
-// (and CUDA-graph replays) advance it without the host.
+// area, the receive pool whose regions the dispatch outputs own and dispatch/combine write rows into. The barrier epoch lives in a
+// separate, private device word so that kernels (and CUDA-graph replays) advance it without the host.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +43,8 @@ class IpcBuffer {
     int next_report_tag() { return ++report_tag_; }
     // Tag of a fresh dispatch whose report nobody waited for (num_worst_tokens): checked at the next call, 0 if none.
     int unchecked_report_tag = 0;
+    // Fresh dispatches whose rows did not fit where notify laid them out, so that their data phase ran again (tests).
+    int64_t dispatch_reruns = 0;
     const intranode::Peers& peers() const { return peers_; }
 
    private:

@@ -77,9 +77,11 @@ void RecvPool::settle_locked(cudaStream_t stream) {
     pending_.clear();
 }
 
-bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock) {
+bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock, const std::vector<const void*>& keep) {
     for (auto it = live_.begin(); it != live_.end(); ++it) {
         if (!it->evictable || !it->storage) continue;
+        const char *begin = base_ + it->offset, *end = begin + it->bytes;
+        if (std::any_of(keep.begin(), keep.end(), [&](const void* p) { return p >= begin && p < end; })) continue;
         c10::intrusive_ptr<c10::StorageImpl> storage = it->storage->lock();
         if (!storage) continue;  // its tensor is being freed right now; the deleter gives the region back
         const int64_t offset = it->offset, bytes = it->bytes;
@@ -98,41 +100,82 @@ bool RecvPool::evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mu
     return false;
 }
 
-void RecvPool::reserve(int64_t total_bytes, cudaStream_t stream) {
-    std::unique_lock<std::mutex> lock(mutex_);
+// Evicts the oldest outputs until a free region of `bytes` exists. Not strict: stops when nothing is left to evict.
+void RecvPool::make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_lock<std::mutex>& lock, bool strict,
+                                const std::vector<const void*>& keep) {
     const bool graph = capturing(stream);
-    TORCH_CHECK_VALUE(total_bytes <= bytes_, "num_nvl_bytes: this call needs ", total_bytes, " bytes of the receive pool, which holds ",
+    TORCH_CHECK_VALUE(!strict || bytes <= bytes_, "num_nvl_bytes: this call needs ", bytes, " bytes of the receive pool, which holds ",
                       bytes_, "; create the Buffer with more num_nvl_bytes");
     if (!graph) settle_locked(stream);
-    while (largest_free_locked() < total_bytes) {
-        TORCH_CHECK(!graph, "num_nvl_bytes: the receive pool has no room for this call while a CUDA graph is captured (",
-                    total_bytes, " bytes needed); free earlier outputs or capture with a larger num_nvl_bytes");
-        TORCH_CHECK_VALUE(evict_oldest_locked(stream, lock), "num_nvl_bytes: outputs of captured CUDA graphs hold the receive pool (",
-                          total_bytes, " bytes needed of ", bytes_, "); create the Buffer with more num_nvl_bytes");
+    while (largest_free_locked() < bytes) {
+        if (graph) {
+            if (!strict) return;
+            TORCH_CHECK(false, "num_nvl_bytes: the receive pool has no room for this call while a CUDA graph is captured (", bytes,
+                        " bytes needed); free earlier outputs or capture with a larger num_nvl_bytes");
+        }
+        if (!evict_oldest_locked(stream, lock, keep) && !evict_oldest_locked(stream, lock)) {
+            if (!strict) return;
+            TORCH_CHECK_VALUE(false, "num_nvl_bytes: outputs of captured CUDA graphs hold the receive pool (", bytes, " bytes needed of ",
+                              bytes_, "); create the Buffer with more num_nvl_bytes");
+        }
         settle_locked(stream);
     }
 }
 
-at::Tensor RecvPool::tensor(at::IntArrayRef sizes, at::ScalarType dtype, cudaStream_t stream) {
-    const auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA, device_);
-    int64_t numel = 1;
-    for (int64_t s : sizes) numel *= s;
-    if (numel == 0) return at::empty(sizes, options);
-    const int64_t bytes = aligned(numel * static_cast<int64_t>(c10::elementSize(dtype)));
+void RecvPool::reserve(int64_t total_bytes, cudaStream_t stream, const std::vector<const void*>& keep) {
     std::unique_lock<std::mutex> lock(mutex_);
-    const bool graph = capturing(stream);
-    const int64_t offset = allocate_locked(bytes);
-    TORCH_CHECK(offset >= 0, "receive pool: no room for ", bytes, " bytes (reserve first)");
+    make_room_locked(total_bytes, stream, lock, true, keep);
+}
+
+at::Tensor RecvPool::own_locked(int64_t offset, int64_t bytes, at::IntArrayRef sizes, at::ScalarType dtype, bool graph) {
     std::weak_ptr<RecvPool> pool = weak_from_this();
     at::Tensor t = at::from_blob(
         base_ + offset, sizes,
         [pool, offset](void*) {
             if (auto p = pool.lock()) p->released(offset);
         },
-        options);
+        at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
     live_.push_back(Region{offset, bytes, !graph, t.storage().getWeakStorageImpl()});
-    if (poison_) EP_CUDA_CHECK(cudaMemsetAsync(base_ + offset, 0xff, bytes, stream));
     return t;
+}
+
+std::pair<int64_t, int64_t> RecvPool::take_block(int64_t wanted, bool required, cudaStream_t stream) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    TORCH_CHECK(block_offset_ < 0, "receive pool: a block is already taken");
+    make_room_locked(required ? wanted : std::min(aligned(wanted), bytes_), stream, lock, required);
+    auto largest = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (largest == free_.end() || it->second > largest->second) largest = it;
+    if (largest == free_.end()) return {block_offset_ = 0, block_bytes_ = 0};  // nothing free: every receiver test fails
+    block_offset_ = largest->first;
+    block_bytes_ = largest->second;
+    free_.erase(largest);
+    // Under capture the fill would replay with the graph: only the part the call asked for, which the graph keeps.
+    const int64_t fill = capturing(stream) ? std::min(aligned(wanted), block_bytes_) : block_bytes_;
+    if (poison_) EP_CUDA_CHECK(cudaMemsetAsync(base_ + block_offset_, 0xff, fill, stream));
+    return {block_offset_, block_bytes_};
+}
+
+at::Tensor RecvPool::tensor_at(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype, cudaStream_t stream) {
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    if (numel == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+    const int64_t bytes = aligned(numel * static_cast<int64_t>(c10::elementSize(dtype)));
+    std::unique_lock<std::mutex> lock(mutex_);
+    TORCH_CHECK(block_offset_ >= 0 && offset >= block_offset_ && offset + bytes <= block_offset_ + block_bytes_,
+                "receive pool: tensor at ", offset, " (", bytes, " bytes) outside the taken block");
+    return own_locked(offset, bytes, sizes, dtype, capturing(stream));
+}
+
+void RecvPool::end_block(int64_t used) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    TORCH_CHECK(block_offset_ >= 0 && used <= block_bytes_, "receive pool: end_block without a block, or past it");
+    used = aligned(used);
+    // Nothing wrote the rest (but the test-only poison fill, ordered on `stream`): it is free again at once, also for a
+    // graph captured next (pending regions wait for a settle, which captures skip).
+    if (used < block_bytes_) free_locked(block_offset_ + used, block_bytes_ - used);
+    block_offset_ = -1;
+    block_bytes_ = 0;
 }
 
 int64_t RecvPool::transient(int64_t bytes, cudaStream_t stream) {

@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace ep {
@@ -44,9 +45,19 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
 
     // Makes room for `total_bytes` in one or more regions (evicting the oldest evictable outputs if needed) and makes
     // `stream` wait for the streams that freed the regions it may reuse. Call before the allocations of one call.
-    void reserve(int64_t total_bytes, cudaStream_t stream);
-    // A tensor of `sizes` x `dtype` on a fresh region, owned by the tensor (its deleter gives the region back).
-    at::Tensor tensor(at::IntArrayRef sizes, at::ScalarType dtype, cudaStream_t stream);
+    // `keep`: data pointers of this call's inputs that lie in the pool (combine's x read in place): other outputs are
+    // evicted first, these only if nothing else makes the room.
+    void reserve(int64_t total_bytes, cudaStream_t stream, const std::vector<const void*>& keep = {});
+    // A block for a call whose outputs the device lays out (fresh dispatch: their sizes come from the count exchange,
+    // after the data kernel is launched): the largest free region, after evicting the oldest outputs until it holds
+    // `wanted` bytes or nothing is left to evict (`required`: raise instead, as reserve does). Returns {offset, bytes}.
+    // Its head becomes the call's tensors through tensor_at(); end_block() then gives back everything past `used`
+    // bytes. One block at a time.
+    std::pair<int64_t, int64_t> take_block(int64_t wanted, bool required, cudaStream_t stream);
+    // A tensor on [offset, offset + its aligned bytes) of the taken block, owned by the tensor (its deleter gives the
+    // region back).
+    at::Tensor tensor_at(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype, cudaStream_t stream);
+    void end_block(int64_t used);
     // A region for the length of one call (combine's returned rows); give it back with release_transient.
     int64_t transient(int64_t bytes, cudaStream_t stream);
     void release_transient(int64_t offset, cudaStream_t stream);
@@ -71,9 +82,12 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
     };
 
     int64_t allocate_locked(int64_t bytes);
+    at::Tensor own_locked(int64_t offset, int64_t bytes, at::IntArrayRef sizes, at::ScalarType dtype, bool graph);
+    void make_room_locked(int64_t bytes, cudaStream_t stream, std::unique_lock<std::mutex>& lock, bool strict,
+                          const std::vector<const void*>& keep = {});
     void free_locked(int64_t offset, int64_t bytes);
     void settle_locked(cudaStream_t stream);
-    bool evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock);
+    bool evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock, const std::vector<const void*>& keep = {});
     int64_t largest_free_locked() const;
     void release(int64_t offset, cudaStream_t stream);  // queues the region for reuse once `stream` is past its last use
     void released(int64_t offset);                       // a tensor's deleter
@@ -91,6 +105,7 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
         cudaStream_t stream;  // current when it was freed: reuse waits for it
     };
     std::vector<Freed> pending_;
+    int64_t block_offset_ = -1, block_bytes_ = 0;            // the taken block (take_block .. end_block)
     std::vector<cudaEvent_t> events_;                        // reused for the cross-stream waits of settle
 };
 

@@ -27,12 +27,13 @@ Payloads travel as ``uint8`` views (gloo has no float8/int16 collectives). Argum
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..expert_major import expert_major_layout, permute_rows, unpermute_sum
+from ..expert_major import permute_rows, to_expert_major, unpermute_sum
 from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
 from ..handles import DispatchHandle, LowLatencyHandle
@@ -65,6 +66,35 @@ def _unpack_rows(packed: torch.Tensor, widths: Sequence[int], templates: Sequenc
             else torch.empty((0, *shape), dtype=dtype, device=packed.device)
         )
     return out
+
+
+@dataclass(frozen=True)
+class ReferenceDispatchState:
+    """What a reference dispatch keeps for its cached dispatches and combine (``DispatchHandle.backend_state``).
+
+    send_idx: ``[sum(send_counts)] int64``, this rank's tokens in send order (destination rank ascending, token order
+        inside); send_counts / recv_counts: rows sent to / received from each rank; num_recv: ``sum(recv_counts)``.
+    """
+
+    send_idx: torch.Tensor
+    send_counts: List[int]
+    recv_counts: List[int]
+    num_recv: int
+
+
+@dataclass(frozen=True)
+class ReferenceLowLatencyState:
+    """What a reference low-latency dispatch keeps for its combine (``LowLatencyHandle.backend_state``).
+
+    send_token / send_k: token and top-k column of each message sent, in send order; send_counts / recv_counts:
+    messages sent to / received from each rank; recv_flat_slot: ``expert * num_slots + slot`` of each received one.
+    """
+
+    send_token: torch.Tensor
+    send_k: torch.Tensor
+    send_counts: List[int]
+    recv_counts: List[int]
+    recv_flat_slot: torch.Tensor
 
 
 class ReferenceBackend:
@@ -241,12 +271,9 @@ class ReferenceBackend:
             num_recv_tokens_per_expert=per_expert,
             num_worst_tokens=num_worst_tokens,
             expert_alignment=expert_alignment,
-            backend_state={
-                "send_idx": send_idx,
-                "send_counts": send_counts,
-                "recv_counts": recv_counts,
-                "num_recv": num_recv,
-            },
+            backend_state=ReferenceDispatchState(send_idx, send_counts, recv_counts, num_recv),
+            rank=self.rank,
+            num_ranks_per_node=self.num_ranks_per_node,
         )
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
@@ -263,15 +290,15 @@ class ReferenceBackend:
         return out
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None):
-        state = handle.backend_state
-        send_idx = state["send_idx"]
+        state: ReferenceDispatchState = handle.backend_state
+        send_idx = state.send_idx
         parts, templates = [x[send_idx]], [(x.dtype, tuple(x.shape[1:]))]
         if x_scales is not None:
             parts.append(x_scales[send_idx])
             templates.append((x_scales.dtype, tuple(x_scales.shape[1:])))
         packed, widths = _pack_rows(parts)
         fields = _unpack_rows(
-            self._all_to_all_rows(packed, state["send_counts"], state["recv_counts"]), widths, templates
+            self._all_to_all_rows(packed, state.send_counts, state.recv_counts), widths, templates
         )
         recv_x = fields[0]
         recv_x_scales = fields[1] if x_scales is not None else None
@@ -295,9 +322,9 @@ class ReferenceBackend:
         ``0 + bias_0 + bias_1 + p_n`` over nodes ascending; nodes/ranks that did not receive the token are skipped.
         One rounding of the total to ``x.dtype``.
         """
-        state = handle.backend_state
-        num_recv = state["num_recv"]
-        send_idx, send_counts, recv_counts = state["send_idx"], state["send_counts"], state["recv_counts"]
+        state: ReferenceDispatchState = handle.backend_state
+        num_recv = state.num_recv
+        send_idx, send_counts, recv_counts = state.send_idx, state.send_counts, state.recv_counts
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         parts = [x[:num_recv]]
         templates = [(x.dtype, tuple(x.shape[1:]))]
@@ -372,7 +399,7 @@ class ReferenceBackend:
     ):
         """Dispatch whose ``recv_x`` (and scales) are expert-major ``[M, ...]``; ``handle.expert_major`` holds the
         layout. Returns what ``dispatch`` returns (top-k outputs stay in received order)."""
-        recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle = self.dispatch(
+        result = self.dispatch(
             x,
             x_scales,
             is_token_in_rank,
@@ -386,18 +413,7 @@ class ReferenceBackend:
             config=config,
             num_tokens_per_expert=num_tokens_per_expert,
         )
-        layout = expert_major_layout(
-            recv_topk_idx, num_experts // self.num_ranks, expert_alignment, sum(per_expert_list)
-        )
-        handle.expert_major = layout
-        return (
-            permute_rows(recv, layout),
-            permute_rows(recv_scales, layout),
-            recv_topk_idx,
-            recv_topk_weights,
-            per_expert_list,
-            handle,
-        )
+        return to_expert_major(result, num_experts // self.num_ranks, expert_alignment)
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
         """Cached dispatch into the handle's expert-major layout: ``(recv_x [M, ...], recv_x_scales | None)``."""
@@ -422,10 +438,13 @@ class ReferenceBackend:
         buffer_id: int,
         half: int = 0,
         cumulative_stats: Optional[torch.Tensor] = None,
+        wait_stats: Optional[torch.Tensor] = None,
     ):
         """Exchange now; returns ``(handle, receive)`` where ``receive(recv_x, recv_scales, recv_count)`` fills the
         outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
-        engines."""
+        engines. ``wait_stats`` (``dispatch_wait_recv_cost_stats``, ``[num_ranks] int64``) is left as it is, i.e.
+        0 is added for every rank: the exchange is a blocking collective, which exposes no per-peer wait to
+        measure (the CUDA engine adds the cycles its receive kernel spins per source rank)."""
         num_tokens, hidden = x.shape
         num_topk = topk_idx.size(1)
         num_ranks, device = self.num_ranks, x.device
@@ -509,13 +528,7 @@ class ReferenceBackend:
             num_experts=num_experts,
             num_tokens=num_tokens,
             num_topk=num_topk,
-            backend_state={
-                "send_token": token_of,
-                "send_k": k_of,
-                "send_counts": send_counts,
-                "recv_counts": recv_counts,
-                "recv_flat_slot": flat_slot,
-            },
+            backend_state=ReferenceLowLatencyState(token_of, k_of, send_counts, recv_counts, flat_slot),
         )
         return handle, receive
 
@@ -526,18 +539,20 @@ class ReferenceBackend:
         topk_weights: torch.Tensor,
         handle: LowLatencyHandle,
         half: int = 0,
+        wait_stats: Optional[torch.Tensor] = None,
     ):
-        """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``."""
-        state = handle.backend_state
+        """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``.
+        ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it is (0 added), as in ``low_latency_dispatch``."""
+        state: ReferenceLowLatencyState = handle.backend_state
         hidden = x.size(-1)
-        rows = x.reshape(-1, hidden)[state["recv_flat_slot"]]
+        rows = x.reshape(-1, hidden)[state.recv_flat_slot]
         packed, widths = _pack_rows([rows])
         (back,) = _unpack_rows(
-            self._all_to_all_rows(packed, state["recv_counts"], state["send_counts"]), widths, [(x.dtype, (hidden,))]
+            self._all_to_all_rows(packed, state.recv_counts, state.send_counts), widths, [(x.dtype, (hidden,))]
         )
         num_tokens, num_topk = topk_idx.shape
         per_entry = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
-        per_entry[state["send_token"], state["send_k"]] = back.float()
+        per_entry[state.send_token, state.send_k] = back.float()
         valid = topk_idx >= 0
 
         def receive(out: torch.Tensor) -> None:
@@ -549,15 +564,17 @@ class ReferenceBackend:
 
         return receive
 
+    def take_low_latency_error(self) -> Optional[tuple]:
+        """None: the reference checks ``topk_idx`` on the host before it runs (``checks_topk_idx_on_device``)."""
+        return None
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: the reference keeps no signals between calls."""
+
     def logfmt_roundtrip(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x`` encoded to LogFMT-10 and decoded (``ep_dispatcher.logfmt``); written back into ``x`` if ``inplace``."""
         y = logfmt_roundtrip(x)
         return x.copy_(y) if inplace else y
-
-    def receive_wait_cycles(self, num_ranks: int, device: torch.device) -> torch.Tensor:
-        """What a receive phase adds to ``*_wait_recv_cost_stats``: ``[num_ranks] int64`` zeros (a collective
-        exposes no per-peer wait; see ``Buffer._add_wait_cost``)."""
-        return torch.zeros(num_ranks, dtype=torch.int64, device=device)
 
     def low_latency_combine_buffer(self, half: int, shape: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
         """The zero-copy combine input of buffer half ``half`` (persistent across calls)."""

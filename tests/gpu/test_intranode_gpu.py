@@ -237,6 +237,14 @@ def _input_error_worker(rank: int, world: int) -> list:
     except ValueError as e:
         messages.append(str(e))
 
+    # Rows of another width on one rank would overrun the blocks laid out for the others: every rank refuses.
+    x_wide = torch.randn((num_tokens, hidden + (64 if rank == 0 else 0)), generator=g).to(torch.bfloat16).to(device)
+    try:
+        cuda.dispatch(x_wide, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+
     # The buffer still works, bit-exact.
     out_c = cuda.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
     out_r = ref.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=topk_idx, **kwargs)
@@ -248,12 +256,13 @@ def _input_error_worker(rank: int, world: int) -> list:
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
-    for rank, (range_error, count_error) in enumerate(run(_input_error_worker, world)):
+    for rank, (range_error, count_error, shape_error) in enumerate(run(_input_error_worker, world)):
         assert "topk_idx: expected entries in [-1, " in range_error, (rank, range_error)
         assert f"got {4 * world + 7} at token 5, column 1" in range_error, (rank, range_error)
         assert (rank == world - 1) == ("on rank" not in range_error), (rank, range_error)
         assert "num_tokens_per_rank: entry" in count_error, (rank, count_error)
         assert "is_token_in_rank sends" in count_error, (rank, count_error)
+        assert "x: row bytes (hidden x element size) must be the same on every rank" in shape_error, (rank, shape_error)
 
 
 def _lifetime_worker(rank: int, world: int) -> int:
@@ -310,3 +319,107 @@ def _lifetime_worker(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_outputs_outlive_later_calls_and_the_buffer(world: int) -> None:
     assert run(_lifetime_worker, world) == [6] * world
+
+
+def _rerun_worker(rank: int, world: int) -> int:
+    """A fresh dispatch that does not fit in the largest free region while earlier outputs fill the pool: the block
+    laid out before the counts were known is too small, so the data phase runs again after evicting the oldest
+    outputs. Exact, and the outputs kept alive are unchanged."""
+    device = _set_device(rank)
+    config = Config(NUM_SMS)
+    hidden, n = 512, 64
+    # Token t goes to rank t % world only (no top-k): every rank receives exactly num_tokens rows, in source order.
+    # Twice one big call's outputs and 10 % (a smaller pool would grow instead: see the end of this test), so that the
+    # big and the small call's outputs leave less than one big call's room free. Block sizes: x and src regions, each
+    # 128-byte aligned.
+    def block(rows: int) -> int:
+        return -(-rows * hidden * 2 // 128) * 128 + -(-rows * 4 // 128) * 128
+
+    pool_bytes = 2 * block(4 * n) + block(4 * n) // 10
+    assert block(4 * n) + block(n) + block(4 * n) > pool_bytes >= 2 * block(4 * n)
+    cuda = Buffer(None, num_nvl_bytes=pool_bytes, backend="cuda", timeout_s=60)
+    cuda._backend.ipc.poison_receive_pool(True)
+
+    def inputs(num_tokens: int, seed: int, source: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed + source)
+        return torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+
+    def call(num_tokens: int, seed: int):
+        x = inputs(num_tokens, seed, rank)
+        in_rank = torch.nn.functional.one_hot(torch.arange(num_tokens) % world, world).bool().to(device)
+        recv_x, _, _, _, handle, _ = cuda.dispatch(
+            x, num_tokens_per_rank=in_rank.sum(0).int(), is_token_in_rank=in_rank, config=config
+        )
+        expected = torch.cat([inputs(num_tokens, seed, s)[rank::world] for s in range(world)])
+        assert torch.equal(recv_x, expected), f"{num_tokens} tokens: received rows"
+        return x, recv_x, handle, expected
+
+    _, big, _, big_expected = call(4 * n, 900)  # about half the pool
+    _, small, _, small_expected = call(n, 910)  # after it
+    before = cuda._backend.ipc.dispatch_reruns
+    x2, big2, handle2, big2_expected = call(4 * n, 920)  # the free region left is too small: it runs again
+    reruns = cuda._backend.ipc.dispatch_reruns - before
+    assert cuda._backend.ipc.data_bytes == pool_bytes, "the pool holds two such calls: it must not grow"
+    combined, _, _ = cuda.combine(big2, handle2, config=config)
+    assert torch.equal(combined, x2), "combine of the rerun call's rows"
+    # A call that needs more than half the pool while earlier outputs hold it: the pool grows (twice the call) instead
+    # of evicting on every call of a loop that keeps its last outputs alive.
+    del combined, handle2
+    x3, huge, _, huge_expected = call(6 * n, 930)
+    assert cuda._backend.ipc.data_bytes > pool_bytes, "a pool below twice the call's outputs grows"
+    for name, a, a0 in (
+        ("big", big, big_expected),
+        ("small", small, small_expected),
+        ("big2", big2, big2_expected),
+        ("huge", huge, huge_expected),
+    ):
+        assert torch.equal(a, a0), f"{name} changed"
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return reruns
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_fresh_dispatch_reruns_when_the_laid_out_block_is_too_small(world: int) -> None:
+    assert run(_rerun_worker, world) == [1] * world
+
+
+def _fallback_worker(rank: int, world: int) -> int:
+    """Combine in fp16 and fp64 (the kernels sum bf16 and fp32 only): the cuda backend routes it to the reference
+    backend it holds, on the engine's handle; the results equal a reference buffer's, bit for bit."""
+    device = _set_device(rank)
+    cuda, ref = _buffers(world)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 96, 512, 4 * world, 2
+    g = torch.Generator().manual_seed(1700 + rank)
+    x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk].to(device)
+    topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
+    per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk_idx, num_experts)
+    kwargs = dict(
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
+    out_c = cuda.dispatch(x, config=config, **kwargs)
+    out_r = ref.dispatch(x, **kwargs)
+    assert torch.equal(out_c[0], out_r[0])
+    checked = 0
+    for dtype in (torch.float16, torch.float64):
+        y = (out_c[0].float() * 0.75 - 0.5).to(dtype)
+        bias = torch.randn((num_tokens, hidden), generator=g).to(dtype).to(device)
+        comb_c = cuda.combine(y, out_c[4], topk_weights=out_c[2], bias=bias, config=config)
+        comb_r = ref.combine(y, out_r[4], topk_weights=out_r[2], bias=bias)
+        assert comb_c[0].dtype == dtype, str(dtype)
+        assert torch.equal(comb_c[0], comb_r[0]) and torch.equal(comb_c[1], comb_r[1]), f"{dtype} combine"
+        checked += 1
+    # The engine's handle still serves the engine afterwards (the fallback made a new handle, left this one as is).
+    y = out_c[0]
+    assert torch.equal(cuda.combine(y, out_c[4], config=config)[0], ref.combine(out_r[0], out_r[4])[0]), "bf16 after"
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
+def test_intranode_fp16_fp64_combine_falls_back_to_the_reference(world: int) -> None:
+    assert run(_fallback_worker, world) == [2] * world

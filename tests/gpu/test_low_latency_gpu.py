@@ -305,6 +305,118 @@ def test_low_latency_over_nvshmem_puts(world):
     _raise(run(_compare_worker, world, [3], False))
 
 
+# A receive wait lasts at most the kernel timeout; clock64 runs below 3 GHz on every GPU we build for.
+MAX_CYCLES_PER_WAIT = int(TIMEOUT_S * 3e9)
+
+
+def _wait_stats_worker(rank: int, world: int) -> list:
+    """dispatch/combine_wait_recv_cost_stats: the receive kernels add, per source rank, the clock64 cycles they spun.
+    Checked: one-shot, hooked (added by the hook's kernel, not by the send phase) and CUDA-graph replays; every entry
+    stays >= 0, grows monotonically, and is > 0 for every source after a call (one timed wait per (local expert,
+    source) count in dispatch and per expert flag in combine, and a timed wait always spans at least one load); the
+    words around the tensor are not touched; None works; the outputs still equal the reference."""
+    max_tokens, hidden, per_rank, topk = 32, 1024, 4, 4
+    cuda, ref = _buffers(world, shapes=[(max_tokens, hidden, per_rank, topk)])
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = per_rank * world
+    sentinel = -(2**62)
+    # Each stats tensor is the middle of a guarded run: the kernels must add to exactly [world] int64 words.
+    guarded = {name: torch.full((world + 2,), sentinel, dtype=torch.int64, device=device) for name in ("d", "c")}
+    for g in guarded.values():
+        g[1:-1].zero_()
+    stats = {name: g[1:-1] for name, g in guarded.items()}
+    errors: list = []
+    history = {"d": [torch.zeros(world, dtype=torch.int64)], "c": [torch.zeros(world, dtype=torch.int64)]}
+
+    def check(tag: str, grew: tuple) -> None:
+        torch.cuda.synchronize()
+        for name, g in guarded.items():
+            if g[0].item() != sentinel or g[-1].item() != sentinel:
+                errors.append(f"rank {rank} {tag}: {name} stats wrote outside [num_ranks]: {g.tolist()}")
+            now, before = stats[name].cpu(), history[name][-1]
+            if (now < 0).any():
+                errors.append(f"rank {rank} {tag}: {name} stats negative {now.tolist()}")
+            if (now < before).any():
+                errors.append(f"rank {rank} {tag}: {name} stats decreased {before.tolist()} -> {now.tolist()}")
+            if name in grew:
+                if not (now > before).all():
+                    errors.append(f"rank {rank} {tag}: {name} stats did not grow for every source {before.tolist()} -> "
+                                  f"{now.tolist()}")
+                if ((now - before) > MAX_CYCLES_PER_WAIT * per_rank * 8).any():
+                    errors.append(f"rank {rank} {tag}: {name} stats grew implausibly {before.tolist()} -> "
+                                  f"{now.tolist()}")
+            elif not torch.equal(now, before):
+                errors.append(f"rank {rank} {tag}: {name} stats changed {before.tolist()} -> {now.tolist()}")
+            history[name].append(now)
+
+    def step(x, idx, w, hooked: bool, with_stats: bool, tag: str, compare: bool = True):
+        d_stats = stats["d"] if with_stats else None
+        c_stats = stats["c"] if with_stats else None
+        out_c = cuda.low_latency_dispatch(x, idx, max_tokens, E, dispatch_wait_recv_cost_stats=d_stats,
+                                          return_recv_hook=hooked, use_fp8=False)
+        if hooked:
+            check(f"{tag} after the dispatch send phase", ())  # only the receive kernel adds
+            out_c[4]()
+        check(f"{tag} after the dispatch receive", ("d",) if with_stats else ())
+        y = _expert_outputs(3, rank, (E // world, world * max_tokens, hidden), device)
+        comb_c, _, hook = cuda.low_latency_combine(y, idx, w, out_c[2], return_recv_hook=hooked,
+                                                   combine_wait_recv_cost_stats=c_stats)
+        if hooked:
+            check(f"{tag} after the combine send phase", ())
+            hook()
+        check(f"{tag} after the combine receive", ("c",) if with_stats else ())
+        if compare:
+            out_r = ref.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+            _compare_dispatch(errors, f"rank {rank} {tag}", out_c, out_r, False)
+            comb_r, _, _ = ref.low_latency_combine(y, idx, w, out_r[2])
+            if not torch.equal(comb_c, comb_r):
+                errors.append(f"rank {rank} {tag}: combine differs from the reference")
+
+    for it in range(4):
+        case = _case(500 + it, world, max_tokens, hidden, per_rank, topk)
+        x, idx, w = (t.to(device) for t in rc.rank_inputs(case, rank))
+        step(x, idx, w, hooked=it % 2 == 1, with_stats=True, tag=f"call {it}")
+        step(x, idx, w, hooked=it % 2 == 0, with_stats=False, tag=f"call {it} without stats")
+
+    # CUDA graph: the stats pointer is captured; each replay adds again.
+    case = _case(600, world, max_tokens, hidden, per_rank, topk)
+    case.tokens_per_rank = [max_tokens] * world
+    x, idx, w = (t.to(device) for t in rc.rank_inputs(case, rank))
+    y = _expert_outputs(4, rank, (E // world, world * max_tokens, hidden), device)
+
+    def captured():
+        _, _, handle, _, hook = cuda.low_latency_dispatch(
+            x, idx, max_tokens, E, use_fp8=False, return_recv_hook=True, dispatch_wait_recv_cost_stats=stats["d"]
+        )
+        hook()
+        out, _, hook = cuda.low_latency_combine(y, idx, w, handle, return_recv_hook=True,
+                                                combine_wait_recv_cost_stats=stats["c"])
+        hook()
+        return out
+
+    captured()
+    check("graph warm-up", ("d", "c"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = captured()
+    check("graph capture (nothing runs)", ())
+    for replay in range(3):
+        graph.replay()
+        check(f"graph replay {replay}", ("d", "c"))
+    out_r = ref.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
+    comb_r, _, _ = ref.low_latency_combine(y, idx, w, out_r[2])
+    if not torch.equal(g_out, comb_r):
+        errors.append(f"rank {rank}: graph-replayed combine with stats differs from the reference")
+    _log("wait stats (cycles) dispatch", stats["d"].tolist(), "combine", stats["c"].tolist())
+    cuda.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_low_latency_wait_recv_cost_stats(world):
+    _raise(run(_wait_stats_worker, world))
+
+
 def _expect_one_raise(errors, tag: str, calls, pattern: str, should_raise: bool) -> None:
     """Runs ``calls`` in order (each a collective low-latency call); a bad entry found on the device is raised by the
     call that found it or a later one, so exactly one of them must raise on the rank that passed it, none elsewhere."""

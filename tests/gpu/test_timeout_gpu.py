@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 _SCRIPT = textwrap.dedent(
     """
-    import sys, torch, torch.distributed as dist
+    import sys, time, torch, torch.distributed as dist
     from ep_dispatcher import Buffer
     from ep_dispatcher.launch import spawn
 
@@ -32,7 +32,10 @@ _SCRIPT = textwrap.dedent(
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 2)
         x = torch.randn((8, 128), device="cuda").to(torch.bfloat16)
         if rank == 1:
-            return "absent"  # never joins the dispatch
+            # Never joins the dispatch, but stays alive past rank 0's 2 s timeout: if its process ended, its buffer
+            # (which rank 0's barrier writes into) would go with it, and rank 0 could fault before its timeout prints.
+            time.sleep(8)
+            return "absent"
         try:
             buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
             torch.cuda.synchronize()

@@ -1,0 +1,168 @@
+"""The backend interface: every call ``Buffer`` makes on a backend, and nothing else.
+
+Two backends implement it: ``reference.ReferenceBackend`` (pure PyTorch + torch.distributed, the executable
+specification) and ``cuda.CudaBackend`` (the ``_C`` engines, which falls back to a reference backend it holds for
+what its kernels do not cover). ``Buffer`` validates every argument before it calls a backend, so a backend may
+assume well-formed shapes, dtypes and devices; tensor *contents* are checked by ``Buffer`` unless
+``checks_topk_idx_on_device`` says the backend checks them itself.
+
+Handles carry a ``backend_state``: a frozen dataclass of the backend (and engine) that made the handle, opaque to
+everyone else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+
+from ..handles import DispatchHandle, LowLatencyHandle
+
+# low_latency_dispatch returns this: receive(recv_x, recv_scales, recv_count) fills the outputs (the receive phase).
+LowLatencyDispatchReceive = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
+# low_latency_combine returns this: receive(out) writes the [num_tokens, hidden] result (the receive phase).
+LowLatencyCombineReceive = Callable[[torch.Tensor], None]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What ``Buffer`` calls on a backend.
+
+    Optional: ``destroy()`` (a backend that owns device memory frees it there; ``Buffer.destroy`` runs a group
+    barrier before it, and only for a backend that has it).
+    """
+
+    name: str  # "reference" or "cuda"
+    float_dtypes: Tuple[torch.dtype, ...]  # payload dtypes combine accepts
+
+    def engine_calls(self) -> tuple:
+        """Names of the calls this backend runs as CUDA kernels (the rest run the reference implementation)."""
+        ...
+
+    def checks_topk_idx_on_device(self, call: str, topk_idx: torch.Tensor) -> bool:
+        """Whether ``call`` ("get_dispatch_layout", "dispatch", "low_latency") checks the range of ``topk_idx``
+        itself, on the device without a host sync; when False, ``Buffer`` checks it on the host."""
+        ...
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)``."""
+        ...
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_rank: Optional[torch.Tensor],
+        topk_idx: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        num_experts: Optional[int],
+        expert_alignment: int,
+        num_worst_tokens: int,
+        buffer_id: int,
+        config=None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+    ) -> tuple:
+        """``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``."""
+        ...
+
+    def cached_dispatch(
+        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(recv_x, recv_x_scales)`` with the layout of ``handle``."""
+        ...
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor],
+        bias: Sequence[torch.Tensor],
+        config=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(combined_x, combined_topk_weights or None)``."""
+        ...
+
+    def dispatch_expert_major(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_rank: Optional[torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        expert_alignment: int,
+        buffer_id: int,
+        config=None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+    ) -> tuple:
+        """As ``dispatch`` (``num_worst_tokens = 0``) with ``recv_x`` / ``recv_x_scales`` expert-major ``[M, ...]``
+        and the layout in ``handle.expert_major`` (fused permute; ``ep_dispatcher/expert_major.py``)."""
+        ...
+
+    def cached_dispatch_expert_major(
+        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config=None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(recv_x [M, ...], recv_x_scales)`` in the expert-major layout of ``handle``."""
+        ...
+
+    def combine_expert_major(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor],
+        bias: Sequence[torch.Tensor],
+        config=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Combine of an expert-major ``x [M, hidden]`` (each token's rows summed in row order first)."""
+        ...
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        buffer_id: int,
+        half: int = 0,
+        cumulative_stats: Optional[torch.Tensor] = None,
+        wait_stats: Optional[torch.Tensor] = None,
+    ) -> Tuple[LowLatencyHandle, LowLatencyDispatchReceive]:
+        """Launch the send phase; returns ``(handle, receive)``."""
+        ...
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        half: int = 0,
+        wait_stats: Optional[torch.Tensor] = None,
+    ) -> LowLatencyCombineReceive:
+        """Launch the send phase; returns ``receive``."""
+        ...
+
+    def low_latency_combine_buffer(self, half: int, shape: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
+        """The zero-copy combine input of buffer half ``half`` (persistent across calls)."""
+        ...
+
+    def logfmt_roundtrip(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """``x`` encoded to LogFMT-10 and decoded; written back into ``x`` if ``inplace``."""
+        ...
+
+    def take_low_latency_error(self) -> Optional[tuple]:
+        """``(code, token, k, value)`` of a bad ``topk_idx`` entry a low-latency kernel reported (then cleared), or
+        None."""
+        ...
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency buffer's signal area (collective)."""
+        ...
+
+
+__all__: List[str] = ["Backend", "LowLatencyCombineReceive", "LowLatencyDispatchReceive"]

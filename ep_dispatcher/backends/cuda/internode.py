@@ -1,0 +1,221 @@
+"""The internode engine: dispatch and combine across nodes.
+
+RDMA leg by NVSHMEM put + signal to the same local index on each node, then NVLink forwarding inside the node; a
+staging area and copy-out on the receive side (csrc/kernels/internode.cuh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ... import _C, settings
+from ...config import Config
+from ...handles import DispatchHandle
+from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+from .nvshmem import init_nvshmem, release_nvshmem
+
+
+@dataclass(frozen=True)
+class InternodeState:
+    """What an internode dispatch keeps for its cached dispatches and combine (``DispatchHandle.backend_state``).
+
+    count_matrix: ``[num_ranks, num_ranks] int32`` device tensor (tokens rank ``i`` sends to rank ``j``);
+    count_matrix_host: the same on the host, ``None`` with ``num_worst_tokens``; node_count: per-node counts of the
+    count exchange; send_pos ``[num_tokens, num_ranks]`` / rdma_send_pos ``[num_tokens, num_nodes]`` int32: see
+    ``internode_send_positions``; fwd_pos: the forwarding positions the dispatch kernels wrote (the combine's way
+    back); tokens_of_host: every rank's token count on the host (``None`` with ``num_worst_tokens``).
+    """
+
+    count_matrix: torch.Tensor
+    count_matrix_host: Optional[torch.Tensor]
+    node_count: torch.Tensor
+    send_pos: torch.Tensor
+    rdma_send_pos: torch.Tensor
+    fwd_pos: torch.Tensor
+    tokens_of_host: Optional[torch.Tensor]
+
+
+def internode_engine_enabled() -> bool:
+    """The internode kernels run for a Buffer spanning nodes unless ``EP_DISPATCHER_INTERNODE_ENGINE=0``, which
+    selects the reference implementation instead (same results, slower; e.g. to rule the kernels out when
+    debugging). They passed the GPU tests on virtual nodes of one GPU (benchmarks/RESULTS.md)."""
+    return settings.internode_engine_enabled()
+
+
+def internode_hidden_bytes(x: torch.Tensor) -> int:
+    """Bytes of one row of ``x`` as the internode buffer layout counts them (``hidden * max(element_size, 2)``, as
+    ``InternodeBuffer.max_tokens`` in csrc/internode_bindings.cpp)."""
+    return x.size(1) * max(x.element_size(), 2)
+
+
+def internode_send_positions(is_token_in_rank: torch.Tensor, num_ranks_per_node: int):
+    """What the internode kernels need from a send pattern, by device ops only (no host sync).
+
+    Args:
+        is_token_in_rank: ``[num_tokens, num_ranks] bool``.
+    Returns:
+        ``(send_pos [num_tokens, num_ranks] int32, rdma_send_pos [num_tokens, num_nodes] int32,
+        num_tokens_per_rank [num_ranks] int32, num_tokens_per_node [num_nodes] int32)``: the position of each token
+        among this rank's tokens for each destination rank / node, ``-1`` where it is not sent; and the counts.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    in_rank = is_token_in_rank.contiguous()
+    in_rank_int = in_rank.to(torch.int32)
+    send_pos = torch.where(in_rank, torch.cumsum(in_rank_int, 0, dtype=torch.int32) - in_rank_int, -1).contiguous()
+    in_node = in_rank.view(num_tokens, num_ranks // num_ranks_per_node, num_ranks_per_node).any(2)
+    in_node_int = in_node.to(torch.int32)
+    rdma_send_pos = torch.where(in_node, torch.cumsum(in_node_int, 0, dtype=torch.int32) - in_node_int, -1).contiguous()
+    return send_pos, rdma_send_pos, in_rank_int.sum(0, dtype=torch.int32), in_node_int.sum(0, dtype=torch.int32)
+
+
+class InternodeEngine:
+    """This rank's NVSHMEM internode buffer and the calls that run on it."""
+
+    combine_dtypes = COMBINE_DTYPES
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, num_rdma_bytes: int,
+        timeout_ns: int,
+    ):
+        if num_ranks > _C.INTERNODE_MAX_RANKS:
+            raise ValueError(
+                f"num_ranks: the internode engine supports up to {_C.INTERNODE_MAX_RANKS} ranks, got {num_ranks}"
+            )
+        if num_ranks_per_node > _C.INTERNODE_MAX_RANKS_PER_NODE:
+            raise ValueError(
+                f"num_ranks_per_node: the internode engine supports up to {_C.INTERNODE_MAX_RANKS_PER_NODE} ranks "
+                f"per node, got {num_ranks_per_node}"
+            )
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_ranks_per_node = num_ranks_per_node
+        init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+        self.buffer: "_C.InternodeBuffer" = _C.InternodeBuffer(
+            rank, num_ranks, num_ranks_per_node, num_rdma_bytes, timeout_ns, torch.cuda.current_device()
+        )
+        self.nvshmem_bytes = num_rdma_bytes
+        self._capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
+
+    def made(self, state: object) -> bool:
+        """Whether a handle with this ``backend_state`` came from this engine."""
+        return isinstance(state, InternodeState)
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+        self.buffer = None
+        release_nvshmem(self.nvshmem_bytes)
+        self.nvshmem_bytes = 0
+
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        is_token_in_rank,
+        num_tokens_per_rank,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        expert_alignment,
+        num_worst_tokens,
+        buffer_id,
+        config=None,
+        num_tokens_per_expert=None,
+    ):
+        """Two-leg dispatch (RDMA to the same local index on each node, then NVLink); see csrc/kernels/internode.cuh.
+
+        The per-rank and per-node counts are recomputed here from ``is_token_in_rank`` (device ops, no host sync), so
+        the kernels cannot be handed counts that disagree with the routing (``num_tokens_per_rank`` is not read).
+        """
+        num_sms = kernel_num_sms(config)
+        send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
+            is_token_in_rank, self.num_ranks_per_node
+        )
+        hidden_bytes = internode_hidden_bytes(x)
+        if num_worst_tokens > 0:
+            self._check_tokens(hidden_bytes, x.size(0), everywhere=False)  # no host sync in this mode
+        count_matrix, node_count, tokens_of, per_expert = self.buffer.notify(
+            per_rank_counts, per_node_counts, x.size(0), num_tokens_per_expert, num_experts or 0, expert_alignment
+        )
+        count_matrix_host = tokens_of_host = None
+        per_expert_list: List[int] = []
+        if num_worst_tokens == 0:
+            # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
+            host = torch.cat([count_matrix.view(-1), tokens_of]).cpu()
+            count_matrix_host = host[: self.num_ranks**2].view(self.num_ranks, self.num_ranks)
+            tokens_of_host = host[self.num_ranks**2 :]
+            self._check_tokens(hidden_bytes, int(tokens_of_host.max()), everywhere=True)
+            rows_out = int(count_matrix_host[:, self.rank].sum())
+            if per_expert is not None:
+                per_expert_list = per_expert.tolist()
+        else:
+            rows_out = num_worst_tokens
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, fwd_pos = self.buffer.dispatch(
+            x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, send_pos,
+            rdma_send_pos, count_matrix, node_count, rows_out, hidden_bytes, num_sms, False,
+        )
+        state = InternodeState(
+            count_matrix=count_matrix, count_matrix_host=count_matrix_host, node_count=node_count, send_pos=send_pos,
+            rdma_send_pos=rdma_send_pos, fwd_pos=fwd_pos, tokens_of_host=tokens_of_host,
+        )
+        handle = engine_dispatch_handle(
+            buffer_id, self.rank, self.num_ranks, self.num_ranks_per_node, count_matrix, recv_src_idx,
+            is_token_in_rank, rows_out, per_expert, num_worst_tokens, expert_alignment, state,
+        )
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def _check_tokens(self, hidden_bytes: int, num_tokens: int, everywhere: bool) -> None:
+        """Raise if ``num_tokens`` tokens per rank of ``hidden_bytes`` do not fit the NVSHMEM buffer.
+
+        ``everywhere``: ``num_tokens`` is the largest count of all ranks (known from the count exchange), so every
+        rank raises here together; otherwise only this rank knows, and its peers' kernels will time out.
+        """
+        capacity = self._capacity.get(hidden_bytes)
+        if capacity is None:  # the engine searches layouts token by token: once per row size, not per call
+            capacity = self._capacity[hidden_bytes] = self.buffer.max_tokens(hidden_bytes)
+        if num_tokens <= capacity:
+            return
+        need = Config().get_rdma_buffer_size_hint(
+            hidden_bytes, self.num_ranks, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
+        )
+        who = "some rank of the group passes" if everywhere else "this rank passes"
+        raise ValueError(
+            f"num_rdma_bytes: {who} {num_tokens} tokens, but the internode buffer holds {capacity} tokens per rank "
+            f"of {hidden_bytes} hidden bytes; create the Buffer with num_rdma_bytes >= {need} "
+            f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.num_ranks}, {self.num_ranks_per_node}, "
+            f"num_max_tokens_per_rank={num_tokens}))"
+            + ("" if everywhere else "; the other ranks will time out waiting for this one")
+        )
+
+    def _check_handle(self, handle: DispatchHandle, hidden_bytes: int) -> None:
+        tokens_of = handle.backend_state.tokens_of_host
+        if tokens_of is not None:
+            self._check_tokens(hidden_bytes, int(tokens_of.max()), everywhere=True)
+        else:
+            self._check_tokens(hidden_bytes, handle.num_tokens, everywhere=False)
+
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
+        state: InternodeState = handle.backend_state
+        num_sms = kernel_num_sms(config)
+        hidden_bytes = internode_hidden_bytes(x)
+        self._check_handle(handle, hidden_bytes)
+        recv_x, recv_scales, _, _, _, _ = self.buffer.dispatch(
+            x, x_scales, None, None, 1, state.send_pos, state.rdma_send_pos, state.count_matrix,
+            state.node_count, handle.num_recv_rows, hidden_bytes, num_sms, True,
+        )
+        return recv_x, recv_scales
+
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        state: InternodeState = handle.backend_state
+        num_sms = kernel_num_sms(config)
+        bias0 = bias[0].contiguous() if len(bias) > 0 else None
+        bias1 = bias[1].contiguous() if len(bias) > 1 else None
+        self._check_handle(handle, internode_hidden_bytes(x))
+        return self.buffer.combine(
+            x.contiguous(), None if topk_weights is None else topk_weights.contiguous(), bias0, bias1,
+            state.rdma_send_pos, state.count_matrix, state.node_count, state.fwd_pos, handle.num_tokens,
+            internode_hidden_bytes(x), num_sms,
+        )

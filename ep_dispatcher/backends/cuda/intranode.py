@@ -1,0 +1,180 @@
+"""The intranode engine: dispatch and combine inside one NVLink domain, over CUDA-IPC buffers.
+
+Every token is written once, straight into the receiver's output tensors, which own regions of its receive pool
+(csrc/kernels/intranode.cuh and docs/architecture.md explain the flow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ... import _C
+from ...handles import DispatchHandle
+from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+
+
+@dataclass(frozen=True)
+class IntranodeState:
+    """What an intranode dispatch keeps for its cached dispatches and combine (``DispatchHandle.backend_state``).
+
+    count_matrix: ``[num_ranks, num_ranks] int32`` device tensor, entry ``[i, j]`` = tokens rank ``i`` sends to rank
+        ``j``; count_matrix_host: the same on the host, ``None`` with ``num_worst_tokens`` (no host sync);
+    send_pos: ``[num_tokens, num_ranks] int32``, each token's row among this rank's rows at each destination, ``-1``
+        where it is not sent; sent_rows, most_sent: what the combine needs to size its receive region (``most_sent``
+        is the most rows any rank gets back when the host knows the counts).
+    """
+
+    count_matrix: torch.Tensor
+    count_matrix_host: Optional[torch.Tensor]
+    send_pos: torch.Tensor
+    sent_rows: object
+    most_sent: int
+
+
+class IntranodeEngine:
+    """This rank's CUDA-IPC buffer (signal area + receive pool) and the calls that run on it."""
+
+    combine_dtypes = COMBINE_DTYPES
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, num_bytes: int,
+        timeout_ns: int,
+    ):
+        if num_ranks > _C.INTRANODE_MAX_RANKS:
+            raise ValueError(
+                f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {num_ranks}"
+            )
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_ranks_per_node = num_ranks_per_node
+        self.timeout_ns = timeout_ns
+        self.ipc: "_C.IpcBuffer" = self._open_ipc(num_bytes)
+
+    def made(self, state: object) -> bool:
+        """Whether a handle with this ``backend_state`` came from this engine."""
+        return isinstance(state, IntranodeState)
+
+    def _open_ipc(self, num_bytes: int) -> "_C.IpcBuffer":
+        """This rank's CUDA-IPC buffer (signal area + receive pool of ``num_bytes``), with every peer's mapped
+        (collective)."""
+        ipc = _C.IpcBuffer(self.rank, self.num_ranks, num_bytes, torch.cuda.current_device())
+        handles: List[bytes] = [b""] * self.num_ranks
+        dist.all_gather_object(handles, ipc.ipc_handle(), group=self.group)
+        ipc.open_peers(handles)
+        dist.barrier(group=self.group)  # every rank has mapped every buffer before anyone writes
+        return ipc
+
+    def _grow_receive_pool(self, needed_bytes: int) -> None:
+        """Replace the receive pool by one of twice ``needed_bytes`` (room for one call's outputs and the next call).
+
+        Collective, and every rank calls it at the same point: the need comes from the count matrix, which all ranks
+        share. Outputs still alive in the old pool move out of it (copied, their storage re-pointed) before it goes.
+        """
+        old = self.ipc
+        self.ipc = self._open_ipc(max(2 * int(needed_bytes), old.data_bytes))
+        old.destroy()
+
+    def destroy(self) -> None:
+        self.ipc.destroy()
+        self.ipc = None
+
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        is_token_in_rank,
+        num_tokens_per_rank,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        expert_alignment,
+        num_worst_tokens,
+        buffer_id,
+        config=None,
+        num_tokens_per_expert=None,
+    ):
+        # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
+        # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
+        # A call whose rows do not fit in some rank's empty pool, or do not fit next to the live outputs while the
+        # group's smallest pool holds less than twice them, returns the size it needs, on every rank alike (same
+        # counts, same smallest pool): the pools grow together and the call runs again (once: the grown pool holds it).
+        def run():
+            return _C.intranode_dispatch_fresh(
+                self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                num_tokens_per_expert, num_experts or 0, expert_alignment, num_worst_tokens, kernel_num_sms(config),
+                self.timeout_ns,
+            )
+
+        outputs = run()
+        if outputs[-1] > 0:
+            self._grow_receive_pool(outputs[-1])
+            outputs = run()
+        if outputs[-1] > 0:  # never expected: the outputs of a call that did not run must not be returned
+            raise RuntimeError(f"intranode dispatch: {outputs[-1]} receive-pool bytes needed after growing the pool")
+        (
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
+            send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
+            sent_rows, most_sent, _,
+        ) = outputs
+        state = IntranodeState(
+            count_matrix=count_matrix, count_matrix_host=count_matrix_host, send_pos=send_pos, sent_rows=sent_rows,
+            most_sent=most_sent,
+        )
+        handle = engine_dispatch_handle(
+            buffer_id, self.rank, self.num_ranks, self.num_ranks_per_node, count_matrix, recv_src_idx,
+            is_token_in_rank, rows_out, per_expert, num_worst_tokens, expert_alignment, state,
+            rank_prefix_matrix=rank_prefix_matrix,
+        )
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
+        state: IntranodeState = handle.backend_state
+        num_sms = kernel_num_sms(config)
+        recv_x, recv_scales, _, _, _ = _C.intranode_dispatch(
+            self.ipc,
+            x,
+            x_scales,
+            None,
+            None,
+            1,
+            handle.is_token_in_rank,
+            state.send_pos,
+            state.count_matrix,
+            handle.num_recv_rows,
+            num_sms,
+            self.timeout_ns,
+            False,  # cached: x and scales only
+        )
+        return recv_x, recv_scales
+
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        state: IntranodeState = handle.backend_state
+        num_sms = kernel_num_sms(config)
+        # Every rank checks the most rows any rank gets back (all know the count matrix), so all grow together.
+        num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        row_bytes = x.size(1) * x.element_size()
+        # With num_worst_tokens the host has no counts (most_sent is then a bound of this rank's alone): no growth.
+        known = state.count_matrix_host is not None
+        if known and state.most_sent > self.ipc.combine_capacity(row_bytes, num_topk):
+            self._grow_receive_pool(_C.intranode_combine_bytes(state.most_sent, row_bytes, num_topk))
+        bias0 = bias[0] if len(bias) > 0 else None
+        bias1 = bias[1] if len(bias) > 1 else None
+        return _C.intranode_combine(
+            self.ipc,
+            x,
+            topk_weights,
+            bias0,
+            bias1,
+            handle.is_token_in_rank,
+            state.send_pos,
+            state.count_matrix,
+            handle.num_tokens,
+            state.sent_rows,
+            num_sms,
+            self.timeout_ns,
+        )

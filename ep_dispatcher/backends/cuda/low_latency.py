@@ -1,0 +1,154 @@
+"""The low-latency engine: decode-time dispatch and combine over an NVSHMEM symmetric buffer in two halves
+(docs/low_latency.md), and the GPU-sharing discovery that bounds its grid."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import _C, settings
+from ...handles import LowLatencyHandle
+from .nvshmem import init_nvshmem, release_nvshmem
+
+
+@dataclass(frozen=True)
+class LowLatencyState:
+    """What a low-latency dispatch keeps for its combine (``LowLatencyHandle.backend_state``).
+
+    send_slot: the send plan, each (token, k) entry's slot at its expert (what the combine reads), then per-expert
+    counts.
+    """
+
+    send_slot: torch.Tensor
+
+
+def ranks_sharing_this_gpu(group: dist.ProcessGroup) -> int:
+    """How many ranks of ``group`` (this one included) run on this process's GPU (collective)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    me = (socket.gethostname(), str(getattr(props, "uuid", "")) or str(getattr(props, "pci_bus_id", "")))
+    everyone: List[Optional[tuple]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return sum(1 for other in everyone if other == me)
+
+
+def low_latency_max_blocks(group: dist.ProcessGroup) -> int:
+    """Grid bound of the low-latency kernels: they spin on peers' signals, so every rank's blocks on one GPU must be
+    resident together (one 512-thread block per SM always fits): SMs / ranks on the GPU. Env override:
+    ``EP_DISPATCHER_LL_MAX_BLOCKS``."""
+    sharing = ranks_sharing_this_gpu(group)  # collective: computed even when the env var is set
+    if settings.low_latency_max_blocks() is not None:
+        return settings.low_latency_max_blocks()
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, sm_count // sharing)
+
+
+class LowLatencyEngine:
+    """This rank's NVSHMEM low-latency buffer (``_C.LowLatencyBuffer``) and the calls that run on it."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int, allow_nvlink: bool,
+        timeout_ns: int,
+    ):
+        self.group = group
+        self.num_ranks = num_ranks
+        init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+        device = torch.cuda.current_device()
+        self.buffer: "_C.LowLatencyBuffer" = _C.LowLatencyBuffer(
+            rank, num_ranks, num_rdma_bytes, allow_nvlink, timeout_ns, device, low_latency_max_blocks(group)
+        )
+        self.nvshmem_bytes = num_rdma_bytes
+        self._combine_views: dict = {}  # (half, shape) -> the zero-copy combine buffer (a view of the half)
+
+    def made(self, state: object) -> bool:
+        """Whether a handle with this ``backend_state`` came from this engine."""
+        return isinstance(state, LowLatencyState)
+
+    def destroy(self) -> None:
+        self._combine_views.clear()
+        self.buffer.destroy()
+        self.buffer = None  # a hook run after destroy() fails in Python, not on freed memory
+        release_nvshmem(self.nvshmem_bytes)
+        self.nvshmem_bytes = 0
+
+    def take_error(self) -> Optional[tuple]:
+        """``(code, token, k, value)`` of the last bad ``topk_idx`` entry the kernels that have run reported (then
+        cleared), or None; codes in ``validation.low_latency_topk_error``."""
+        return self.buffer.take_error()
+
+    def dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+        buffer_id,
+        half=0,
+        cumulative_stats=None,
+        wait_stats=None,
+    ):
+        num_tokens, hidden = x.shape
+        max_tokens = num_max_dispatch_tokens_per_rank
+        # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
+        # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
+        send_slot, src_info, layout_range = self.buffer.dispatch_send(
+            half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale
+        )
+        handle = LowLatencyHandle(
+            buffer_id=buffer_id,
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            hidden=hidden,
+            num_experts=num_experts,
+            num_tokens=num_tokens,
+            num_topk=topk_idx.size(1),
+            backend_state=LowLatencyState(send_slot=send_slot),
+        )
+
+        def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count: torch.Tensor) -> None:
+            # The scales are a transposed view of a [E_local, groups, slots] tensor: the kernel writes that storage.
+            # wait_stats: the receive kernel adds the clock64 cycles it spun per source rank (no extra kernel).
+            storage = None if recv_scales is None else recv_scales.transpose(1, 2)
+            self.buffer.dispatch_recv(
+                half, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, storage, src_info, layout_range,
+                recv_count, cumulative_stats, wait_stats,
+            )
+
+        return handle, receive
+
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0, wait_stats=None):
+        state: LowLatencyState = handle.backend_state
+        max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
+        self.buffer.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
+
+        def receive(out: torch.Tensor) -> None:
+            self.buffer.combine_recv(
+                half, topk_idx, topk_weights, state.send_slot, max_tokens, num_experts, out, self.buffer.max_blocks,
+                wait_stats,
+            )
+
+        return receive
+
+    def combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
+        key = (half, tuple(shape))
+        view = self._combine_views.get(key)
+        if view is None:  # a view of the half's send area: made once, asked for on every zero-copy combine
+            num_local_experts, num_slots, hidden = shape
+            max_tokens = num_slots // self.num_ranks
+            view = self.buffer.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+            self._combine_views[key] = view
+        return view
+
+    def clean(self) -> None:
+        # NVSHMEM's host barrier inside clean() has no timeout: meet in the process group first (it has one), so
+        # a rank that died or diverged turns into an error here instead of a hang.
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        self.buffer.clean()
