@@ -19,12 +19,14 @@ outputs: per route the expert id, ``-1`` where the capacity limit dropped it, an
 top-k choices, capacity drops, RTS, noisy gating, 2nd-expert sampling, ``l_aux`` and ``exp_counts`` are the same for
 the same RNG state. Gate weights are applied on the expert side (each expert row is scaled by its received weight
 before the unweighted combine), so the weight gradient flows back through dispatch's backward to the gate, as in
-DeepSpeed. Tokens are received straight into expert-major rows (the fused permute, ``Buffer.dispatch(...,
-expert_major=True)``): each local expert runs once on its contiguous rows, and the combine reads the weighted rows
-where they are. Per token the weighted outputs (in the data dtype) of the experts of one rank are summed in
-local-expert order (fp32, one rounding), then the ranks' sums in rank order, which equals DeepSpeed's route sum up to
-rounding. ``EPMOELayer.fused_permute = False`` runs the same layout as separate permute / un-permute passes
-(bit-identical results).
+DeepSpeed. By default (``EPMOELayer.fused_permute = False``) the received rows are permuted expert-major in a
+separate pass, each local expert runs once on its contiguous rows, and per token the weighted outputs of the experts
+of one rank are summed in top-k order, then the ranks' sums in rank order (fp32 for fp32 data), which equals
+DeepSpeed's route sum up to fp32 rounding. ``EPMOELayer.fused_permute = True`` receives tokens straight into
+expert-major rows (the fused permute, ``Buffer.dispatch(..., expert_major=True)``) and the combine reads the weighted
+rows (rounded to the data dtype) where they are, summing a token's rows in local-expert order (fp32, one rounding);
+``fixed_order_unpermute = True`` (unfused) runs that same arithmetic as separate passes, bit-identical to the fused
+path. The fused path stays off until its CUDA kernel is GPU-validated (``docs/fused_permute.md``).
 
 Not supported (a clear error instead): ``use_tutel=True``; ``enable_expert_tensor_parallelism=True``; a tensor-parallel
 non-expert part (``groups.mpu`` with tensor-parallel size > 1), where DeepSpeed drops and re-gathers duplicate tokens.
@@ -78,11 +80,14 @@ class EPMOELayer(_DeepSpeedMOELayer):
     input); sets ``self.l_aux`` (scalar fp32) and ``self.exp_counts`` ([num_experts] int64), as DeepSpeed's does.
     Instances are made by :class:`MoE` or by :func:`patch` (which changes the class of an existing layer).
 
-    ``fused_permute`` (class attribute, default True): receive into expert-major rows and combine from them; False
-    permutes and un-permutes in separate passes (same layout, bit-identical outputs and gradients).
+    Class attributes: ``fused_permute`` (default False): receive into expert-major rows and combine from them.
+    Unfused, ``fixed_order_unpermute`` (default False) picks the separate passes: False, the original expert-side sum
+    (fp32 weighted outputs summed in top-k order); True, ``ep_dispatcher.expert_major.permute`` / ``unpermute`` with
+    the fused path's arithmetic (bit-identical to it in outputs and gradients).
     """
 
-    fused_permute: bool = True
+    fused_permute: bool = False
+    fixed_order_unpermute: bool = False
 
     def _check_supported(self) -> None:
         if self.use_tutel:
@@ -107,7 +112,35 @@ class EPMOELayer(_DeepSpeedMOELayer):
                 f"ep_group: has {dist.get_world_size(self.ep_group)} ranks, expected ep_size={self.ep_size}"
             )
 
-    def _run_local_experts(self, expert_in: torch.Tensor, probs: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    def _run_local_experts(
+        self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, counts: List[int]
+    ) -> torch.Tensor:
+        """Expert-side compute: ``[num_recv_rows, hidden]`` -> weighted per-row sums ``[num_recv_rows, hidden]``.
+
+        Every (row, top-k slot) naming a local expert is listed expert-major (stable, so rows keep the receive
+        order inside an expert); each expert runs once on its contiguous slice; each output is scaled by its weight
+        and written to its (row, slot) place, and the slots are summed in top-k order (deterministic, no atomics).
+        """
+        num_rows, num_topk = recv_topk_idx.shape
+        hidden = recv_x.size(1)
+        flat_idx = recv_topk_idx.reshape(-1)
+        pairs = (flat_idx >= 0).nonzero().squeeze(1)
+        _, perm = torch.sort(flat_idx.index_select(0, pairs), stable=True)
+        pairs = pairs.index_select(0, perm)
+        rows = torch.div(pairs, num_topk, rounding_mode="floor")
+        expert_in = recv_x.index_select(0, rows)
+        outputs = [
+            _expert_output(expert, chunk)
+            for expert, chunk in zip(self.experts.deepspeed_experts, torch.split(expert_in, counts))
+        ]
+        expert_out = torch.cat(outputs) if outputs else expert_in
+        # fp32 weights: the product (and the route sum below) is fp32 for fp32/bf16 data, like DeepSpeed's decode.
+        weights = recv_topk_weights.reshape(-1).index_select(0, pairs).unsqueeze(1)
+        weighted = expert_out * weights
+        slots = weighted.new_zeros((num_rows * num_topk, hidden)).index_copy(0, pairs, weighted)
+        return slots.view(num_rows, num_topk, hidden).sum(1).to(recv_x.dtype)
+
+    def _run_expert_rows(self, expert_in: torch.Tensor, probs: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """Expert-side compute on expert-major rows: ``expert_in [M, hidden]`` (expert ``e`` owns ``counts[e]``
         contiguous rows) -> each row's output scaled by its gate weight ``probs [M]`` (fp32 product), ``[M, hidden]``
         in the input dtype. Each expert runs once on its slice."""
@@ -154,13 +187,15 @@ class EPMOELayer(_DeepSpeedMOELayer):
 
         if fused:  # received expert-major: no permute pass; combine reads the rows where they are
             layout = handle.expert_major
-            expert_rows = self._run_local_experts(recv_x, permute_probs(recv_topk_weights, layout), counts)
-        else:
+            expert_rows = self._run_expert_rows(recv_x, permute_probs(recv_topk_weights, layout), counts)
+        elif self.fixed_order_unpermute:  # the fused path's arithmetic as separate passes
             layout = expert_major_layout(recv_topk_idx, len(counts), 1, sum(counts))
             expert_in = permute(recv_x, layout)
             expert_rows = unpermute(
-                self._run_local_experts(expert_in, permute_probs(recv_topk_weights, layout), counts), layout
+                self._run_expert_rows(expert_in, permute_probs(recv_topk_weights, layout), counts), layout
             )
+        else:  # the original path: permute, experts, weighted top-k-order sum per received row
+            expert_rows = self._run_local_experts(recv_x, recv_topk_idx, recv_topk_weights, counts)
 
         if self.wall_clock_breakdown:
             self.timers(_ds_sharded_moe.SECOND_ALLTOALL_TIMER).start()

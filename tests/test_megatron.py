@@ -325,6 +325,15 @@ def _round_trip(dispatcher, rank: int, tp: int) -> None:
 
 
 @requires_megatron
+def test_fused_permute_is_off_by_default():
+    """Until the fused CUDA kernel is GPU-validated the plugin runs main's unfused path (index_select / index_add)."""
+    from ep_dispatcher.megatron import EPDispatcherTokenDispatcher
+
+    assert EPDispatcherTokenDispatcher.fused_permute is False
+    assert EPDispatcherTokenDispatcher.fixed_order_unpermute is False
+
+
+@requires_megatron
 @pytest.mark.parametrize(
     "world, tp, cases",
     [
@@ -395,7 +404,7 @@ def _build_gpt(dispatcher_type: str, ep: int, overlap: bool):
         return GPTModel(config, spec, vocab_size=64, max_sequence_length=16).bfloat16()
 
 
-def _overlap_worker(rank: int, world: int, fused_permute: bool = True) -> float:
+def _overlap_worker(rank: int, world: int, fused_permute: bool = False) -> float:
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
     from megatron.core.pipeline_parallel.utils import set_streams
 
@@ -467,6 +476,7 @@ def _fused_permute_worker(rank: int, world: int, tp: int, cases: list) -> None:
         results = {}
         for fused in (True, False):
             EPDispatcherTokenDispatcher.fused_permute = fused
+            EPDispatcherTokenDispatcher.fixed_order_unpermute = not fused  # the fused path's arithmetic, unfused
             try:
                 layer = _build_moe_layer("deepep", tp, world // tp, seed, **FUSED_CASES[case])
                 if case == "bf16_top4":
@@ -477,7 +487,8 @@ def _fused_permute_worker(rank: int, world: int, tp: int, cases: list) -> None:
                 out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
                 results[fused] = (out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
             finally:
-                EPDispatcherTokenDispatcher.fused_permute = True
+                EPDispatcherTokenDispatcher.fused_permute = False
+                EPDispatcherTokenDispatcher.fixed_order_unpermute = False
         (out_f, dx_f, grads_f), (out_u, dx_u, grads_u) = results[True], results[False]
         assert torch.equal(out_f, out_u), case
         assert torch.equal(dx_f, dx_u), case

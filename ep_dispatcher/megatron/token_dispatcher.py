@@ -7,14 +7,14 @@ Stages (what ``MoELayer`` and the EP-overlap schedule call, in order, once per m
                                ``TP x EP`` group (TP folded in as Megatron's flex dispatcher does). No communication.
 ``token_dispatch``             ``ep_dispatcher.autograd.dispatch`` over the ``TP x EP`` group (backward = combine of the
                                gradients, weight gradients summed back to ``[N, k]``). Returns ``(recv_x, recv_probs)``;
-                               with the fused permute (default) ``recv_x`` is already expert-major.
+                               with the fused permute ``recv_x`` is already expert-major.
 ``dispatch_postprocess``       expert-major layout: each received token once per local expert it selected,
                                ordered by local expert, then by received order (= the ``allgather`` dispatcher's order);
                                fused: only the probabilities are permuted (the rows arrived in place); unfused: a
                                separate permute pass. ``tokens_per_expert`` is the dispatch's host count list as a CPU
                                int64 tensor (no sync).
-``combine_preprocess``         un-permute: sum each token's local-expert outputs (fp32, local-expert order, one
-                               rounding; the experts already applied the probabilities). Fused: nothing here, the
+``combine_preprocess``         un-permute: sum each token's local-expert outputs (fp32, one rounding; the experts
+                               already applied the probabilities). Fused: nothing here, the
                                combine reads the expert-major rows and does the same sum.
 ``token_combine``              ``ep_dispatcher.autograd.combine``: unweighted sum back to the source tokens.
 ``combine_postprocess``        ``[N, H] -> [S, B, H]`` (+ the overlapped shared-expert output).
@@ -35,7 +35,7 @@ from .. import autograd as ep_autograd
 from ..buffer import Buffer
 from ..expert_major import ExpertMajorLayout, expert_major_layout, permute, permute_probs, unpermute
 from . import buffer_cache
-from .routing import fold_tensor_parallel, routing_to_topk
+from .routing import expert_major_order, fold_tensor_parallel, routing_to_topk
 
 DEFAULT_NUM_SMS = 20  # Megatron's historical DeepEP default when no SM count is configured
 _NUM_SMS_FIELDS = ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms")  # 0.19 name first, then 0.16-0.18
@@ -60,13 +60,21 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         config: the layer's ``TransformerConfig``.
         pg_collection: Megatron's process groups (``ep``, ``expt_tp``, ``tp_ep``).
 
-    ``fused_permute`` (class attribute, default True): dispatch straight into expert-major rows and combine from them
-    (``Buffer.dispatch(..., expert_major=True)``), so no separate permute / un-permute pass runs. False runs the same
-    layout as separate passes (``ep_dispatcher.expert_major.permute`` / ``unpermute``); both are bit-identical in
-    outputs and gradients. Set it on the class (all layers) or an instance before its first forward.
+    Permute modes (class attributes; set them on the class (all layers) or an instance before its first forward):
+
+    * ``fused_permute`` (default False until the fused CUDA kernel is GPU-validated, ``docs/fused_permute.md``):
+      dispatch straight into expert-major rows and combine from them (``Buffer.dispatch(..., expert_major=True)``),
+      so no separate permute / un-permute pass runs in the plugin.
+    * unfused (``fused_permute = False``), ``fixed_order_unpermute = False`` (default): separate passes, the
+      original implementation: an ``index_select`` permute and an ``index_add`` un-permute (fp32 accumulation; on
+      the GPU ``index_add`` uses atomics, so the summation order of a token's local-expert rows is not fixed).
+    * unfused, ``fixed_order_unpermute = True``: separate passes with ``ep_dispatcher.expert_major.permute`` /
+      ``unpermute`` (fp32 sum in local-expert order, one rounding): deterministic, and bit-identical to the fused
+      path in outputs and gradients.
     """
 
-    fused_permute: bool = True
+    fused_permute: bool = False
+    fixed_order_unpermute: bool = False
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None) -> None:
         if pg_collection is None:
@@ -108,7 +116,11 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         self.dispatched_indices: torch.Tensor | None = None  # [R, tp*k] local ids, -1 elsewhere
         self.dispatched_probs: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
-        self.layout: ExpertMajorLayout | None = None  # expert-major layout of the micro-batch in flight
+        # Expert-major bookkeeping of the micro-batch in flight, by permute mode: the original path keeps the
+        # received-row index of each expert input row; the fixed-order and fused paths keep an ExpertMajorLayout.
+        self.permutation: torch.Tensor | None = None  # [num_out] received-row index of each expert input row
+        self.num_recv_tokens = 0
+        self.layout: ExpertMajorLayout | None = None
         self.layout_fused = False  # whether token_dispatch received straight into that layout
         self.cudagraph_attrs = ["token_probs", "token_indices"]
 
@@ -171,11 +183,12 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         self.dispatched_probs = recv_probs
         self.tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
         self.layout_fused = fused
-        self.layout = (
-            handle.expert_major
-            if fused
-            else expert_major_layout(recv_indices, self.num_local_experts, 1, int(sum(counts)))
-        )
+        if fused:
+            self.layout = handle.expert_major
+        elif self.fixed_order_unpermute:
+            self.layout = expert_major_layout(recv_indices, self.num_local_experts, 1, int(sum(counts)))
+        else:
+            self.layout = None  # the original path: dispatch_postprocess computes its permutation
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
@@ -189,19 +202,35 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
         """
         if probs is None:
             probs = self.dispatched_probs
-        expert_input = hidden_states if self.layout_fused else permute(hidden_states, self.layout)
-        permuted_probs = permute_probs(probs, self.layout)
+        if self.layout is None:  # the original unfused path (index_select here, index_add in combine_preprocess)
+            num_topk = self.dispatched_indices.size(1)
+            num_out = int(self.tokens_per_expert.sum())
+            order = expert_major_order(self.dispatched_indices, self.num_local_experts, num_out)
+            self.permutation = order.div(num_topk, rounding_mode="floor")
+            self.num_recv_tokens = hidden_states.size(0)
+            expert_input = hidden_states.index_select(0, self.permutation)
+            permuted_probs = probs.reshape(-1).index_select(0, order)
+        else:
+            expert_input = hidden_states if self.layout_fused else permute(hidden_states, self.layout)
+            permuted_probs = permute_probs(probs, self.layout)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.double()
         return expert_input, self.tokens_per_expert, permuted_probs
 
     # ------------------------------------------------------------------ combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Sum each received token's local-expert outputs, ``[num_out, H]`` -> ``[R, H]`` (fp32, local-expert order,
-        one rounding). With the fused permute the expert-major rows pass through: the combine does that sum."""
+        """Sum each received token's local-expert outputs, ``[num_out, H]`` -> ``[R, H]`` (fp32 accumulation, one
+        rounding; the fixed-order path sums in local-expert order). With the fused permute the expert-major rows pass
+        through: the combine does that sum."""
         layout, fused = self.layout, self.layout_fused
         self.layout = None
-        return hidden_states if fused else unpermute(hidden_states, layout)
+        if layout is not None:
+            return hidden_states if fused else unpermute(hidden_states, layout)
+        accumulate = torch.float32 if hidden_states.dtype in (torch.bfloat16, torch.float16) else hidden_states.dtype
+        out = torch.zeros((self.num_recv_tokens, hidden_states.size(1)), dtype=accumulate, device=hidden_states.device)
+        out = out.index_add(0, self.permutation, hidden_states.to(accumulate))
+        self.permutation = None
+        return out.to(hidden_states.dtype)
 
     def token_combine(
         self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True
