@@ -65,6 +65,24 @@ ReceiveTensors receive_tensors(RecvPool& pool, int64_t block, const intranode::R
     return out;
 }
 
+// A dispatch's payload, checked (x [num_tokens, hidden]; scales and top-k optional, weights required with top-k; all
+// on the buffer's device), and the row shape every rank must share.
+struct PayloadRows {
+    int x_row, scale_row, num_topk;
+};
+PayloadRows check_payload(const IpcBuffer& buffer, const at::Tensor& x, const OptTensor& scales, const OptTensor& topk_idx,
+                          const OptTensor& topk_weights) {
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
+    if (scales) check_cuda(*scales, "scales", buffer);
+    if (topk_idx) {
+        check_cuda(*topk_idx, "topk_idx", buffer);
+        TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
+        check_cuda(*topk_weights, "topk_weights", buffer);
+    }
+    return {static_cast<int>(x.size(1) * x.element_size()), scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0,
+            topk_idx ? static_cast<int>(topk_idx->size(1)) : 0};
+}
+
 // The data part of a cached dispatch, and of a fresh one whose rows did not fit where notify placed them: this rank's
 // outputs come from its receive pool, their offsets are published at a barrier, every sender writes its rows straight
 // into them, and a barrier ends the call. A fresh dispatch also returns recv_src_idx and the top-k outputs.
@@ -76,20 +94,11 @@ DispatchOutputs dispatch(IpcBuffer& buffer, const at::Tensor& x, const OptTensor
     for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&send_pos, "send_pos"},
                                   {&count_matrix, "count_matrix"}})
         check_cuda(*t, name, buffer);
-    TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
+    const auto [x_row, scale_row, num_topk] = check_payload(buffer, x, scales, topk_idx, topk_weights);
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int R = buffer.num_ranks();
     const int num_tokens = static_cast<int>(x.size(0));
-    const int x_row = static_cast<int>(x.size(1) * x.element_size());
-    const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
-    const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
-    if (scales) check_cuda(*scales, "scales", buffer);
-    if (topk_idx) {
-        check_cuda(*topk_idx, "topk_idx", buffer);
-        TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
-        check_cuda(*topk_weights, "topk_weights", buffer);
-    }
     check_receive_capacity(buffer, rows_out, x_row, scale_row, num_topk);
 
     // Room first: making it may move earlier outputs out of the pool (the inputs of this call among them), so no data
@@ -189,22 +198,13 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     for (const auto& [t, name] :
          {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&num_tokens_per_rank, "num_tokens_per_rank"}})
         check_cuda(*t, name, buffer);
-    TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
-    if (scales) check_cuda(*scales, "scales", buffer);
-    if (topk_idx) {
-        check_cuda(*topk_idx, "topk_idx", buffer);
-        TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_weights: required with topk_idx");
-        check_cuda(*topk_weights, "topk_weights", buffer);
-    }
+    const auto [x_row, scale_row, num_topk] = check_payload(buffer, x, scales, topk_idx, topk_weights);
     if (num_tokens_per_expert) check_cuda(*num_tokens_per_expert, "num_tokens_per_expert", buffer);
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int R = buffer.num_ranks(), rank = buffer.rank();
     const int num_tokens = static_cast<int>(x.size(0));
     const int num_local_experts = static_cast<int>(num_experts > 0 ? num_experts / R : 1);
-    const int x_row = static_cast<int>(x.size(1) * x.element_size());
-    const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
-    const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
     // A call that did not wait (num_worst_tokens) reports its input error here, at the next call, at the latest.
     if (buffer.unchecked_report_tag != 0 && buffer.report()->tag == buffer.unchecked_report_tag) {
         const intranode::InputError error = buffer.report()->error;

@@ -454,17 +454,15 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
 }  // namespace
 
 DispatchRegions dispatch_regions(size_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk) {
-    const int64_t per_row =
-        x_row_bytes + scale_row_bytes + static_cast<int64_t>(num_topk) * (sizeof(int64_t) + sizeof(float)) + sizeof(int);
-    const int64_t slack = 5 * kRegionAlignment;  // alignment padding between the five regions
+    // The staging area holds the most rows that fit, laid out as a receive block of that many rows.
     DispatchRegions r{};
-    r.capacity = static_cast<int>(std::max<int64_t>(0, (static_cast<int64_t>(data_bytes) - slack) / per_row));
-    const int64_t cap = r.capacity;
-    r.x_offset = 0;
-    r.scales_offset = align_up(r.x_offset + cap * x_row_bytes, kRegionAlignment);
-    r.topk_offset = align_up(r.scales_offset + cap * scale_row_bytes, kRegionAlignment);
-    r.weights_offset = align_up(r.topk_offset + cap * num_topk * static_cast<int64_t>(sizeof(int64_t)), kRegionAlignment);
-    r.src_offset = align_up(r.weights_offset + cap * num_topk * static_cast<int64_t>(sizeof(float)), kRegionAlignment);
+    r.capacity = dispatch_capacity(static_cast<int64_t>(data_bytes), x_row_bytes, scale_row_bytes, num_topk);
+    const ReceiveLayout l = receive_layout(r.capacity, x_row_bytes, scale_row_bytes, num_topk, true);
+    r.x_offset = l.x;
+    r.scales_offset = l.scales;
+    r.topk_offset = l.topk;
+    r.weights_offset = l.weights;
+    r.src_offset = l.src;
     return r;
 }
 

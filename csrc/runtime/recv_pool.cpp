@@ -24,10 +24,16 @@ bool RecvPool::capturing(cudaStream_t stream) {
     return status != cudaStreamCaptureStatusNone;
 }
 
-int64_t RecvPool::largest_free_locked() const {
-    int64_t largest = 0;
-    for (const auto& [offset, bytes] : free_) largest = std::max(largest, bytes);
+std::map<int64_t, int64_t>::const_iterator RecvPool::largest_free_block_locked() const {
+    auto largest = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (largest == free_.end() || it->second > largest->second) largest = it;
     return largest;
+}
+
+int64_t RecvPool::largest_free_locked() const {
+    const auto largest = largest_free_block_locked();
+    return largest == free_.end() ? 0 : largest->second;
 }
 
 int64_t RecvPool::allocate_locked(int64_t bytes) {
@@ -143,9 +149,7 @@ std::pair<int64_t, int64_t> RecvPool::take_block(int64_t wanted, bool required, 
     std::unique_lock<std::mutex> lock(mutex_);
     TORCH_CHECK(block_offset_ < 0, "receive pool: a block is already taken");
     make_room_locked(required ? wanted : std::min(aligned(wanted), bytes_), stream, lock, required);
-    auto largest = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it)
-        if (largest == free_.end() || it->second > largest->second) largest = it;
+    const auto largest = largest_free_block_locked();
     if (largest == free_.end()) return {block_offset_ = 0, block_bytes_ = 0};  // nothing free: every receiver test fails
     block_offset_ = largest->first;
     block_bytes_ = largest->second;

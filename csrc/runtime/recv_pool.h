@@ -88,6 +88,7 @@ class RecvPool : public std::enable_shared_from_this<RecvPool> {
     void free_locked(int64_t offset, int64_t bytes);
     void settle_locked(cudaStream_t stream);
     bool evict_oldest_locked(cudaStream_t stream, std::unique_lock<std::mutex>& lock, const std::vector<const void*>& keep = {});
+    std::map<int64_t, int64_t>::const_iterator largest_free_block_locked() const;  // free_.end() if none
     int64_t largest_free_locked() const;
     void release(int64_t offset, cudaStream_t stream);  // queues the region for reuse once `stream` is past its last use
     void released(int64_t offset);                       // a tensor's deleter
