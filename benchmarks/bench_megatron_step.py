@@ -270,6 +270,57 @@ def _check_deep_ep(row: str) -> str:
     return str(getattr(deep_ep, "__file__", deep_ep))
 
 
+def _single_node_rdma_hint_shim() -> bool:
+    """Row flex_deepep's one harness shim (no Megatron source is changed).
+
+    Megatron's ``fused_a2a.get_buffer`` sizes the buffer with ``config.get_rdma_buffer_size_hint(hidden_bytes, R)``.
+    A DeepEP built without NVSHMEM (``DEEPEP_FORCE_NO_NVSHMEM=1``: this machine has no NIC, and the side-by-side
+    builds it so) asserts "NVSHMEM is disable during compilation" there, whereas a DeepEP built with NVSHMEM returns 0
+    for R <= 8 (intranode: no RDMA buffer). The shim gives ``fused_a2a`` a stand-in for ``Buffer`` whose
+    dispatch/combine configs answer that 0 for R <= 8 and defer everything else to DeepEP; it is installed only when
+    the hint raises.
+    Returns whether it was installed."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    real = fused_a2a.Buffer
+    try:
+        real.get_dispatch_config(2).get_rdma_buffer_size_hint(1024, 2)
+        return False
+    except Exception:  # DeepEP's EP_HOST_ASSERT surfaces as RuntimeError (or its own exception type)
+        pass
+
+    class _Config:
+        def __init__(self, config) -> None:
+            self._config = config
+
+        def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+            return self._config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+
+        def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+            if num_ranks > 8:
+                raise RuntimeError("flex_deepep shim: DeepEP without NVSHMEM cannot size an internode buffer")
+            return 0  # what DeepEP's NVSHMEM build returns for one node
+
+    class SingleNodeBuffers:
+        """Stands for ``deep_ep.Buffer`` in ``fused_a2a`` only: the configs it sizes with answer the hint; buffers
+        it builds are real ``deep_ep.Buffer`` objects (whose own calls still get DeepEP's real configs)."""
+
+        def __call__(self, *args, **kwargs):
+            return real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get_dispatch_config(self, num_ranks):
+            return _Config(real.get_dispatch_config(num_ranks))
+
+        def get_combine_config(self, num_ranks):
+            return _Config(real.get_combine_config(num_ranks))
+
+    fused_a2a.Buffer = SingleNodeBuffers()
+    return True
+
+
 def _worker(rank: int, world: int, args) -> dict:
     warnings.filterwarnings("ignore")
     row = args.row_worker
@@ -287,11 +338,14 @@ def _worker(rank: int, world: int, args) -> dict:
         enable_host_staging(always=args.host_staging == "always")
     example.setup_parallel(world, args, device)  # installs our plugin (registers "deepep")
     deep_ep_from = None
+    rdma_hint_shim = False
     if row in ("flex_deepep", "flex_switch"):
         from ep_dispatcher import megatron as plugin
 
         plugin.uninstall()  # "flex" must reach Megatron's own flex dispatcher, not our plugin
         deep_ep_from = _check_deep_ep(row)
+        if row == "flex_deepep":
+            rdma_hint_shim = _single_node_rdma_hint_shim()
     run_args = argparse.Namespace(**{**vars(args), "steps": args.warmup + args.steps})
     timer = StageTimer(device)
     staged_calls.clear()
@@ -309,6 +363,7 @@ def _worker(rank: int, world: int, args) -> dict:
         "staged_calls": dict(staged_calls),
         "buffer": _buffer_info(row),
         "deep_ep": deep_ep_from,
+        "rdma_hint_shim": rdma_hint_shim,
     }
     if device.type == "cuda":
         result["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
