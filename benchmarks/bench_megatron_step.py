@@ -321,6 +321,26 @@ def _single_node_rdma_hint_shim() -> bool:
     return True
 
 
+def _profile_one_step(on_step, warmup: int, path: str):
+    """``on_step`` plus a torch.profiler record of step ``warmup`` (the first timed step) on this rank, written to
+    ``path`` as the CUDA-time table (kernels and ops, top 40): where the step's GPU time goes, per row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def step_done(step: int) -> None:
+        on_step(step)
+        if step == warmup - 1:
+            prof.start()
+        elif step == warmup:
+            prof.stop()
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
+    return step_done
+
+
 def _worker(rank: int, world: int, args) -> dict:
     warnings.filterwarnings("ignore")
     row = args.row_worker
@@ -348,10 +368,13 @@ def _worker(rank: int, world: int, args) -> dict:
             rdma_hint_shim = _single_node_rdma_hint_shim()
     run_args = argparse.Namespace(**{**vars(args), "steps": args.warmup + args.steps})
     timer = StageTimer(device)
+    on_step = timer.end_step
+    if args.profile_dir and rank == 0:
+        on_step = _profile_one_step(timer.end_step, args.warmup, os.path.join(args.profile_dir, f"profile_{row}.txt"))
     staged_calls.clear()
     step_s: list[float] = []
     losses = example.train(
-        run_args, DISPATCHER_TYPE[row], rank, device, step_s, on_model=timer.wrap_model, on_step=timer.end_step
+        run_args, DISPATCHER_TYPE[row], rank, device, step_s, on_model=timer.wrap_model, on_step=on_step
     )
     result = {
         "device": str(device),
@@ -562,6 +585,9 @@ def main(argv=None) -> int:
         help="directory holding the built real DeepEP package (put first on PYTHONPATH for row flex_deepep)",
     )
     parser.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row")
+    parser.add_argument(
+        "--profile-dir", default=None, help="rank 0 of each row writes a profiler table of its first timed step here"
+    )
     parser.add_argument(
         "--host-staging",
         choices=("auto", "always", "never"),
