@@ -87,7 +87,7 @@ megatron_rows() {
         bench 280 benchmarks/bench_megatron_step.py --device cuda --ranks "$r" --rows ours,flex_deepep,flex_switch \
             --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 \
             --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --steps ${EP_MEGATRON_STEPS:-8} --warmup 3 --row-timeout 90 \
-            --out "$OUT/bench_megatron_rows_$r.json"
+            --profile-dir "$OUT/megatron_profile_$r" --out "$OUT/bench_megatron_rows_$r.json"
     done
 }
 internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then as 4 nodes x 2
