@@ -30,7 +30,8 @@ def _align(value: int, alignment: int = BUFFER_ALIGNMENT) -> int:
 
 
 def per_token_bytes(hidden_bytes: int) -> int:
-    """Bytes one token occupies in a ring buffer: payload, worst-case FP8 scales, top-k ids/weights, source index."""
+    """Bytes of one token's row with every field (payload, worst-case FP8 scales, top-k ids/weights, source index):
+    the unit of DeepEP's ring-queue hint and of the intranode engine's receive-pool hint."""
     hidden = hidden_bytes // 2  # hint callers pass hidden * max(element_size, 2): BF16 sizing covers FP8 too
     scale_bytes = (hidden + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
     topk_bytes = NUM_MAX_TOPK * (8 + 4)  # int64 ids + fp32 weights

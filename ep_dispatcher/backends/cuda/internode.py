@@ -50,7 +50,7 @@ def internode_engine_enabled() -> bool:
 
 def internode_hidden_bytes(x: torch.Tensor) -> int:
     """Bytes of one row of ``x`` as the internode buffer layout counts them (``hidden * max(element_size, 2)``, as
-    ``InternodeBuffer.max_tokens`` in csrc/internode_bindings.cpp)."""
+    ``_C.internode_layout`` and ``InternodeBuffer.max_tokens``)."""
     return x.size(1) * max(x.element_size(), 2)
 
 
