@@ -211,6 +211,10 @@ class InternodeBuffer {
     internode::Ctx ctx_{};
 };
 
+// The layout as Python sees it: a type of this file's anonymous namespace, so that its pybind11 class has the
+// module's hidden visibility (binding ep::internode::Layout itself makes GCC warn about the visibility).
+struct InternodeLayout : internode::Layout {};
+
 }  // namespace
 
 void register_internode(py::module_& m) {
@@ -231,7 +235,7 @@ void register_internode(py::module_& m) {
     m.attr("INTERNODE_MAX_RANKS_PER_NODE") = internode::kMaxRanksPerNode;
     m.attr("INTERNODE_MAX_LOCAL_EXPERTS") = internode::kMaxLocalExperts;
     // The one source of the internode buffer's sizes and offsets (Config.get_rdma_buffer_size_hint reads total_bytes).
-    using L = internode::Layout;
+    using L = InternodeLayout;
     py::class_<L>(m, "InternodeLayout", "Sizes and offsets (bytes) of one rank's internode symmetric buffer.")
         .def_readonly("num_ranks", &L::num_ranks)
         .def_readonly("num_ranks_per_node", &L::num_ranks_per_node)
@@ -254,8 +258,13 @@ void register_internode(py::module_& m) {
         .def_readonly("comb_rdma_offset", &L::comb_rdma_offset)
         .def_readonly("comb_stage_offset", &L::comb_stage_offset)
         .def_readonly("total_bytes", &L::total_bytes);
-    m.def("internode_layout", &internode::make_layout, py::arg("hidden_bytes"), py::arg("num_ranks"), py::arg("num_ranks_per_node"),
-          py::arg("max_tokens"), "The internode buffer layout for max_tokens tokens per rank of hidden_bytes.");
+    m.def(
+        "internode_layout",
+        [](int64_t hidden_bytes, int num_ranks, int num_ranks_per_node, int max_tokens) {
+            return InternodeLayout{internode::make_layout(hidden_bytes, num_ranks, num_ranks_per_node, max_tokens)};
+        },
+        py::arg("hidden_bytes"), py::arg("num_ranks"), py::arg("num_ranks_per_node"), py::arg("max_tokens"),
+        "The internode buffer layout for max_tokens tokens per rank of hidden_bytes.");
     m.def("internode_max_tokens", &internode::max_tokens_for, py::arg("num_bytes"), py::arg("hidden_bytes"), py::arg("num_ranks"),
           py::arg("num_ranks_per_node"));
 }

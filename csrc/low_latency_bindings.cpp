@@ -198,6 +198,10 @@ class LowLatencyBuffer {
     unsigned long long* error_device_ = nullptr;
 };
 
+// The layout as Python sees it: a type of this file's anonymous namespace, so that its pybind11 class has the
+// module's hidden visibility (binding ep::low_latency::Layout itself makes GCC warn about the visibility).
+struct LowLatencyLayout : low_latency::Layout {};
+
 }  // namespace
 
 void register_low_latency(py::module_& m) {
@@ -230,7 +234,7 @@ void register_low_latency(py::module_& m) {
         .def("destroy", &LowLatencyBuffer::destroy, py::call_guard<py::gil_scoped_release>());
     // The one source of the low-latency buffer's sizes and offsets (Buffer.get_low_latency_rdma_size_hint reads
     // total_bytes).
-    using L = low_latency::Layout;
+    using L = LowLatencyLayout;
     py::class_<L>(m, "LowLatencyLayout", "Sizes and offsets (bytes) of one half of a rank's low-latency buffer; two halves.")
         .def_readonly("num_ranks", &L::num_ranks)
         .def_readonly("num_experts", &L::num_experts)
@@ -248,8 +252,13 @@ void register_low_latency(py::module_& m) {
         .def_property_readonly("combine_signal_offset", &L::combine_signal_offset)
         .def_property_readonly("ack_offset", &L::ack_offset)
         .def_property_readonly("total_bytes", [](const L& l) { return 2 * l.half_bytes; });
-    m.def("low_latency_layout", &low_latency::make_layout, py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
-          py::arg("hidden"), "The low-latency buffer layout (one half; total_bytes covers both).");
+    m.def(
+        "low_latency_layout",
+        [](int num_ranks, int num_experts, int max_tokens, int hidden) {
+            return LowLatencyLayout{low_latency::make_layout(num_ranks, num_experts, max_tokens, hidden)};
+        },
+        py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"), py::arg("hidden"),
+        "The low-latency buffer layout (one half; total_bytes covers both).");
     m.def("nvshmem_init", &nvshmem_runtime::init, py::arg("unique_id"), py::arg("rank"), py::arg("num_ranks"),
           "Collective: initialise NVSHMEM on the current device from rank 0's unique id (once per process).");
     m.def("nvshmem_is_initialized", &nvshmem_runtime::is_initialized);
