@@ -113,13 +113,17 @@ def _rank_main(rank: int, world: int, args) -> Dict:
                 lambda: buffer.combine(y, buffer.dispatch(x_fp8, **kwargs)[4], config=config), args.calls
             )
         fp8_row, bf16_row = args.hidden + args.hidden // 128 * 4, args.hidden * 2
-        row_bytes = {"dispatch_fp8": fp8_row, "dispatch_fp8_worst": fp8_row, "cached_dispatch_fp8": fp8_row,
-                     "dispatch_bf16": bf16_row, "combine_bf16": bf16_row}
-        legs = {
-            kind: {key: rows[key] * width for key in rows} for kind, width in row_bytes.items()
+        row_bytes = {
+            "dispatch_fp8": fp8_row,
+            "dispatch_fp8_worst": fp8_row,
+            "cached_dispatch_fp8": fp8_row,
+            "dispatch_bf16": bf16_row,
+            "combine_bf16": bf16_row,
         }
-        results.append({"tokens": tokens, "num_recv": num_recv, "rows": rows, "times": times, "legs": legs,
-                        "kernels": kernels})
+        legs = {kind: {key: rows[key] * width for key in rows} for kind, width in row_bytes.items()}
+        results.append(
+            {"tokens": tokens, "num_recv": num_recv, "rows": rows, "times": times, "legs": legs, "kernels": kernels}
+        )
     buffer.destroy()
     return {"rank": rank, "results": results}
 
@@ -150,8 +154,14 @@ def main(argv=None) -> int:
     table = []
     for i, tokens in enumerate(args.sweep):
         rows = [r["results"][i] for r in per_rank]
-        for kind in ("layout", "dispatch_fp8", "dispatch_fp8_worst", "cached_dispatch_fp8", "dispatch_bf16",
-                     "combine_bf16"):
+        for kind in (
+            "layout",
+            "dispatch_fp8",
+            "dispatch_fp8_worst",
+            "cached_dispatch_fp8",
+            "dispatch_bf16",
+            "combine_bf16",
+        ):
             t = statistics.median(r["times"][kind] for r in rows)
             entry = {"tokens": tokens, "kind": kind, "us": t * 1e6}
             line = f"  tokens {tokens:5d} {kind:20s} {t * 1e6:9.1f} us"

@@ -114,7 +114,7 @@ class InternodeBuffer {
         const int x_row = static_cast<int>(x.size(1) * x.element_size());
         const int scale_row = scales ? static_cast<int>(scales->size(1) * scales->element_size()) : 0;
         const int num_topk = topk_idx ? static_cast<int>(topk_idx->size(1)) : 0;
-        const auto L = layout(hidden_bytes, num_tokens);
+        const auto L = layout(hidden_bytes);
         const auto F = internode::make_fields(L, x_row, scale_row, num_topk);
         const auto regions = intranode::dispatch_regions(static_cast<size_t>(L.recv_bytes), x_row, scale_row, num_topk);
         TORCH_CHECK_VALUE(rows_out <= regions.capacity, "num_worst_tokens: the buffer holds ", regions.capacity,
@@ -163,7 +163,7 @@ class InternodeBuffer {
         const int hidden = static_cast<int>(x.size(1));
         const int x_row = static_cast<int>(hidden * x.element_size());
         const int num_topk = topk_weights ? static_cast<int>(topk_weights->size(1)) : 0;
-        const auto L = layout(hidden_bytes, static_cast<int>(num_tokens));
+        const auto L = layout(hidden_bytes);
         const auto F = internode::make_fields(L, x_row, 0, num_topk);
         at::Tensor out = at::empty({num_tokens, hidden}, x.options());
         OptTensor out_weights;
@@ -188,13 +188,12 @@ class InternodeBuffer {
     }
 
    private:
-    internode::Layout layout(int64_t hidden_bytes, int num_tokens) const {
+    // The layout of the calls of hidden_bytes rows. Whether num_tokens fit is checked once, by the caller
+    // (InternodeEngine._check_tokens, which knows every rank's count after the count exchange); the kernels' row-bound
+    // traps are the last guard against writing past the buffer.
+    internode::Layout layout(int64_t hidden_bytes) const {
         TORCH_CHECK(base_ != nullptr, "internode buffer was destroyed");
-        const int max_tokens = this->max_tokens(hidden_bytes);
-        TORCH_CHECK_VALUE(num_tokens <= max_tokens, "num_rdma_bytes: the buffer (", num_bytes_, " bytes) holds ", max_tokens,
-                          " tokens per rank of ", hidden_bytes, " hidden bytes, this call has ", num_tokens,
-                          "; size it with Config.get_rdma_buffer_size_hint");
-        return internode::make_layout(hidden_bytes, ctx_.num_ranks, ctx_.per_node, max_tokens);
+        return internode::make_layout(hidden_bytes, ctx_.num_ranks, ctx_.per_node, max_tokens(hidden_bytes));
     }
     const internode::Ctx& ctx() const {
         TORCH_CHECK(base_ != nullptr, "internode buffer was destroyed");
@@ -211,6 +210,10 @@ class InternodeBuffer {
     internode::State* state_ = nullptr;
     internode::Ctx ctx_{};
 };
+
+// The layout as Python sees it: a type of this file's anonymous namespace, so that its pybind11 class has the
+// module's hidden visibility (binding ep::internode::Layout itself makes GCC warn about the visibility).
+struct InternodeLayout : internode::Layout {};
 
 }  // namespace
 
@@ -231,13 +234,37 @@ void register_internode(py::module_& m) {
     m.attr("INTERNODE_MAX_RANKS") = internode::kMaxRanks;
     m.attr("INTERNODE_MAX_RANKS_PER_NODE") = internode::kMaxRanksPerNode;
     m.attr("INTERNODE_MAX_LOCAL_EXPERTS") = internode::kMaxLocalExperts;
+    // The one source of the internode buffer's sizes and offsets (Config.get_rdma_buffer_size_hint reads total_bytes).
+    using L = InternodeLayout;
+    py::class_<L>(m, "InternodeLayout", "Sizes and offsets (bytes) of one rank's internode symmetric buffer.")
+        .def_readonly("num_ranks", &L::num_ranks)
+        .def_readonly("num_ranks_per_node", &L::num_ranks_per_node)
+        .def_readonly("num_nodes", &L::num_nodes)
+        .def_readonly("max_tokens", &L::max_tokens)
+        .def_readonly("hidden_bytes", &L::hidden_bytes)
+        .def_readonly("notify_slot_ints", &L::notify_slot_ints)
+        .def_readonly("msg_stride", &L::msg_stride)
+        .def_readonly("recv_row_max", &L::recv_row_max)
+        .def_readonly("comb_stride_max", &L::comb_stride_max)
+        .def_readonly("signal_offset", &L::signal_offset)
+        .def_readonly("notify_area_offset", &L::notify_area_offset)
+        .def_readonly("notify_stage_offset", &L::notify_stage_offset)
+        .def_readonly("data_offset", &L::data_offset)
+        .def_readonly("send_stage_offset", &L::send_stage_offset)
+        .def_readonly("rdma_recv_offset", &L::rdma_recv_offset)
+        .def_readonly("recv_offset", &L::recv_offset)
+        .def_readonly("recv_bytes", &L::recv_bytes)
+        .def_readonly("comb_nvl_offset", &L::comb_nvl_offset)
+        .def_readonly("comb_rdma_offset", &L::comb_rdma_offset)
+        .def_readonly("comb_stage_offset", &L::comb_stage_offset)
+        .def_readonly("total_bytes", &L::total_bytes);
     m.def(
-        "internode_layout_bytes",
+        "internode_layout",
         [](int64_t hidden_bytes, int num_ranks, int num_ranks_per_node, int max_tokens) {
-            return internode::make_layout(hidden_bytes, num_ranks, num_ranks_per_node, max_tokens).total_bytes;
+            return InternodeLayout{internode::make_layout(hidden_bytes, num_ranks, num_ranks_per_node, max_tokens)};
         },
         py::arg("hidden_bytes"), py::arg("num_ranks"), py::arg("num_ranks_per_node"), py::arg("max_tokens"),
-        "Bytes of the internode layout (must equal ep_dispatcher.config.internode_layout_bytes).");
+        "The internode buffer layout for max_tokens tokens per rank of hidden_bytes.");
     m.def("internode_max_tokens", &internode::max_tokens_for, py::arg("num_bytes"), py::arg("hidden_bytes"), py::arg("num_ranks"),
           py::arg("num_ranks_per_node"));
 }

@@ -49,12 +49,10 @@ class LowLatencyBuffer {
     int num_direct_peers() const { return num_direct_peers_; }
     int max_blocks() const { return max_blocks_; }
 
+    // Whether the shapes fit in num_bytes_ is checked once, by Buffer (its low-latency size check reads the same
+    // make_layout through ep_dispatcher._C.low_latency_layout, once per shape).
     low_latency::Layout layout(int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
-        const auto L =
-            low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
-        TORCH_CHECK_VALUE(2 * L.half_bytes <= num_bytes_, "num_rdma_bytes: these low-latency shapes need ", 2 * L.half_bytes,
-                          " bytes, the buffer has ", num_bytes_);
-        return L;
+        return low_latency::make_layout(num_ranks_, static_cast<int>(num_experts), static_cast<int>(max_tokens), static_cast<int>(hidden));
     }
 
     low_latency::Half half(int64_t index, const low_latency::Layout& L) const {
@@ -200,6 +198,10 @@ class LowLatencyBuffer {
     unsigned long long* error_device_ = nullptr;
 };
 
+// The layout as Python sees it: a type of this file's anonymous namespace, so that its pybind11 class has the
+// module's hidden visibility (binding ep::low_latency::Layout itself makes GCC warn about the visibility).
+struct LowLatencyLayout : low_latency::Layout {};
+
 }  // namespace
 
 void register_low_latency(py::module_& m) {
@@ -230,13 +232,33 @@ void register_low_latency(py::module_& m) {
              py::arg("hidden"))
         .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
         .def("destroy", &LowLatencyBuffer::destroy, py::call_guard<py::gil_scoped_release>());
+    // The one source of the low-latency buffer's sizes and offsets (Buffer.get_low_latency_rdma_size_hint reads
+    // total_bytes).
+    using L = LowLatencyLayout;
+    py::class_<L>(m, "LowLatencyLayout", "Sizes and offsets (bytes) of one half of a rank's low-latency buffer; two halves.")
+        .def_readonly("num_ranks", &L::num_ranks)
+        .def_readonly("num_experts", &L::num_experts)
+        .def_readonly("num_local_experts", &L::num_local_experts)
+        .def_readonly("max_tokens", &L::max_tokens)
+        .def_readonly("hidden", &L::hidden)
+        .def_readonly("dispatch_msg_bytes", &L::dispatch_msg_bytes)
+        .def_readonly("send_bytes", &L::send_bytes)
+        .def_readonly("recv_bytes", &L::recv_bytes)
+        .def_readonly("signal_bytes", &L::signal_bytes)
+        .def_readonly("half_bytes", &L::half_bytes)
+        .def_property_readonly("send_offset", &L::send_offset)
+        .def_property_readonly("recv_offset", &L::recv_offset)
+        .def_property_readonly("dispatch_signal_offset", &L::dispatch_signal_offset)
+        .def_property_readonly("combine_signal_offset", &L::combine_signal_offset)
+        .def_property_readonly("ack_offset", &L::ack_offset)
+        .def_property_readonly("total_bytes", [](const L& l) { return 2 * l.half_bytes; });
     m.def(
-        "low_latency_layout_bytes",
+        "low_latency_layout",
         [](int num_ranks, int num_experts, int max_tokens, int hidden) {
-            return 2 * low_latency::make_layout(num_ranks, num_experts, max_tokens, hidden).half_bytes;
+            return LowLatencyLayout{low_latency::make_layout(num_ranks, num_experts, max_tokens, hidden)};
         },
         py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"), py::arg("hidden"),
-        "Bytes of both halves of the low-latency layout (must equal Buffer.get_low_latency_rdma_size_hint).");
+        "The low-latency buffer layout (one half; total_bytes covers both).");
     m.def("nvshmem_init", &nvshmem_runtime::init, py::arg("unique_id"), py::arg("rank"), py::arg("num_ranks"),
           "Collective: initialise NVSHMEM on the current device from rank 0's unique id (once per process).");
     m.def("nvshmem_is_initialized", &nvshmem_runtime::is_initialized);

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import config as _config
+from .backends.base import DispatchArgs, LowLatencyDispatchArgs
 from . import settings
 from .config import NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
@@ -424,8 +425,13 @@ class Buffer:
                 is returned.
             handle: a handle from an earlier dispatch: cached mode, reuses its layout (no count exchange, no host
                 sync); as DeepEP, the layout arguments are then ignored and ``topk_idx``/``topk_weights`` must be None.
-            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert: from
-                ``get_dispatch_layout``.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``.
+                ``num_tokens_per_rank`` must equal ``is_token_in_rank.sum(0)``; every backend raises ``ValueError``
+                naming it otherwise (the CUDA engines find it on the device and raise where the host waits anyway:
+                with ``num_worst_tokens``, at a later call).
+            num_tokens_per_rdma_rank: accepted for DeepEP compatibility and never read: the internode engine counts
+                tokens per node from ``is_token_in_rank``. Checked here (and only here) for dtype, shape
+                ``[num_nodes]`` and device when the group spans nodes; ignored otherwise.
             topk_idx ``[num_tokens, num_topk] int64`` / topk_weights ``[num_tokens, num_topk] float32``: optional.
             expert_alignment: each entry of the per-expert count list is rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have exactly that many rows and nothing waits on the host (CUDA-graph
@@ -474,15 +480,18 @@ class Buffer:
                     )
             if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
+            cached = (
+                self._backend.cached_dispatch
+                if handle.expert_major is None
+                else self._backend.cached_dispatch_expert_major
+            )
             (recv, recv_scales), event = self._run(
                 device,
                 previous_event,
                 async_finish,
                 allocate_on_comm_stream,
                 [data, scales],
-                (lambda: self._backend.cached_dispatch_expert_major(data, scales, handle, config=config))
-                if handle.expert_major is not None
-                else (lambda: self._backend.cached_dispatch(data, scales, handle, config=config)),
+                lambda: cached(data, scales, handle, config=config),
             )
             return wrap(recv, recv_scales), None, None, None, None, event
 
@@ -537,50 +546,46 @@ class Buffer:
                     f"expert_major: not available with num_worst_tokens={num_worst_tokens} (the expert-major row count "
                     "comes from the host count list); pass num_worst_tokens=0"
                 )
-            call = lambda: self._backend.dispatch_expert_major(  # noqa: E731
-                data,
-                scales,
-                is_token_in_rank,
-                num_tokens_per_rank,
-                topk_idx,
-                topk_weights,
-                num_experts,
-                expert_alignment,
-                self.buffer_id,
-                config=config,
-                num_tokens_per_expert=num_tokens_per_expert,
-            )
-        else:
-            call = lambda: self._backend.dispatch(  # noqa: E731
-                data,
-                scales,
-                is_token_in_rank,
-                num_tokens_per_rank,
-                topk_idx,
-                topk_weights,
-                num_experts,
-                expert_alignment,
-                num_worst_tokens,
-                self.buffer_id,
-                config=config,
-                num_tokens_per_expert=num_tokens_per_expert,
-            )
-
+        args = DispatchArgs(
+            x=data,
+            x_scales=scales,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_rank=num_tokens_per_rank,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+            buffer_id=self.buffer_id,
+            config=config,
+            num_tokens_per_expert=num_tokens_per_expert,
+        )
+        fresh = self._backend.dispatch_expert_major if expert_major else self._backend.dispatch
         result, event = self._run(
             device,
             previous_event,
             async_finish,
             allocate_on_comm_stream,
             [data, scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights],
-            call,
+            lambda: fresh(args),
         )
         recv, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle = result
         return wrap(recv, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
 
     # DeepEP's internode_dispatch takes dispatch's arguments in this order, without num_worst_tokens.
     _INTERNODE_DISPATCH_ARGS = (
-        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank", "num_tokens_per_expert",
-        "topk_idx", "topk_weights", "expert_alignment", "config", "previous_event", "async_finish",
+        "x",
+        "handle",
+        "num_tokens_per_rank",
+        "num_tokens_per_rdma_rank",
+        "is_token_in_rank",
+        "num_tokens_per_expert",
+        "topk_idx",
+        "topk_weights",
+        "expert_alignment",
+        "config",
+        "previous_event",
+        "async_finish",
         "allocate_on_comm_stream",
     )
 
@@ -591,8 +596,17 @@ class Buffer:
         kwargs.update(zip(self._INTERNODE_DISPATCH_ARGS, args))
         return self.dispatch(**kwargs)
 
-    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                          async_finish=False, allocate_on_comm_stream=False):
+    def internode_combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
         """DeepEP's internal ``internode_combine``: ``combine``."""
         return self.combine(
             x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
@@ -654,15 +668,14 @@ class Buffer:
                     shape=(handle.num_tokens, x.size(1)),
                     device=x.device,
                 )
+        combine = self._backend.combine if layout is None else self._backend.combine_expert_major
         (combined, combined_w), event = self._run(
             x.device,
             previous_event,
             async_finish,
             allocate_on_comm_stream,
             [x, topk_weights, *biases],
-            (lambda: self._backend.combine(x, handle, topk_weights, biases, config=config))
-            if layout is None
-            else (lambda: self._backend.combine_expert_major(x, handle, topk_weights, biases, config=config)),
+            lambda: combine(x, handle, topk_weights, biases, config=config),
         )
         return combined, combined_w, event
 
@@ -745,7 +758,11 @@ class Buffer:
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
             )
         self._check_topk_idx(
-            topk_idx, num_tokens, num_experts, x.device, distinct=True,
+            topk_idx,
+            num_tokens,
+            num_experts,
+            x.device,
+            distinct=True,
             call="low_latency",
         )
         if use_ue8m0 and not round_scale:
@@ -773,17 +790,19 @@ class Buffer:
             num_local_experts, num_slots, hidden, use_fp8, use_ue8m0, device
         )
         handle, receive = self._backend.low_latency_dispatch(
-            x,
-            topk_idx,
-            num_max_dispatch_tokens_per_rank,
-            num_experts,
-            use_fp8,
-            round_scale,
-            use_ue8m0,
-            self.buffer_id,
-            half=half,
-            cumulative_stats=cumulative_local_expert_recv_stats,
-            wait_stats=dispatch_wait_recv_cost_stats,
+            LowLatencyDispatchArgs(
+                x=x,
+                topk_idx=topk_idx,
+                num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                num_experts=num_experts,
+                use_fp8=use_fp8,
+                round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                buffer_id=self.buffer_id,
+                half=half,
+                cumulative_stats=cumulative_local_expert_recv_stats,
+                wait_stats=dispatch_wait_recv_cost_stats,
+            )
         )
         recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
@@ -858,7 +877,10 @@ class Buffer:
             x = self.get_next_low_latency_combine_buffer(handle)
         shape = (handle.num_tokens, handle.num_topk)
         self._check_topk_idx(
-            topk_idx, handle.num_tokens, handle.num_experts, x.device,
+            topk_idx,
+            handle.num_tokens,
+            handle.num_experts,
+            x.device,
             call="low_latency",
         )
         if tuple(topk_idx.shape) != shape:
@@ -900,4 +922,3 @@ class Buffer:
         clean = getattr(self._backend, "clean_low_latency_buffer", None)
         if clean is not None:
             clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-

@@ -30,7 +30,8 @@ def _align(value: int, alignment: int = BUFFER_ALIGNMENT) -> int:
 
 
 def per_token_bytes(hidden_bytes: int) -> int:
-    """Bytes one token occupies in a ring buffer: payload, worst-case FP8 scales, top-k ids/weights, source index."""
+    """Bytes of one token's row with every field (payload, worst-case FP8 scales, top-k ids/weights, source index):
+    the unit of DeepEP's ring-queue hint and of the intranode engine's receive-pool hint."""
     hidden = hidden_bytes // 2  # hint callers pass hidden * max(element_size, 2): BF16 sizing covers FP8 too
     scale_bytes = (hidden + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
     topk_bytes = NUM_MAX_TOPK * (8 + 4)  # int64 ids + fp32 weights
@@ -120,7 +121,7 @@ class Config:
         ``EP_DISPATCHER_RANKS_PER_NODE``, else 8),
         ``num_max_tokens_per_rank`` (tokens any rank passes to one call) to 4096. The internode engine is sized for
         the worst case (every token of every rank routed to one rank), not from this config's chunk sizes; the
-        arithmetic is :func:`internode_layout_bytes`, the same as csrc/kernels/internode.cu's ``make_layout``.
+        arithmetic is csrc/kernels/internode.cu's ``make_layout`` (:func:`internode_layout_bytes`).
 
         Larger than DeepEP's hint on purpose (issue 20): 7.0x at 16 and 64 ranks with the default Config and hidden
         7168 (14x against DeepEP's configs with 128 RDMA receive tokens). DeepEP streams rows through per-channel ring
@@ -149,24 +150,25 @@ def default_ranks_per_node() -> int:
 
 
 def internode_layout_bytes(hidden_bytes: int, num_ranks: int, num_ranks_per_node: int, max_tokens: int) -> int:
-    """Bytes of the internode engine's symmetric buffer for ``max_tokens`` tokens per rank.
+    """Bytes of the internode engine's symmetric buffer for ``max_tokens`` tokens per rank: the kernels' own layout
+    (``_C.internode_layout``, csrc/kernels/internode.cu ``make_layout``) where the extension is built, else the
+    reference backend's copy of its arithmetic (``backends/reference_layout.py``)."""
+    ext = _extension()
+    if ext is None:
+        from .backends import reference_layout
 
-    Signal part (64-bit barrier counters [R], double-buffered count slots [2][R][R + N + 1 + 1024] int32, staging
-    [R][R + N + 1 + 1024]), then the larger of the dispatch part (staged messages [T], received messages [N][T],
-    final rows [R * T]) and the combine part (node rows [R * T], partials [N][T], staged partials [N][T]).
-    Must match ``make_layout`` in csrc/kernels/internode.cu (tests/test_config.py checks it against the extension).
-    """
-    R, P, T = num_ranks, num_ranks_per_node, max_tokens
-    N = R // P
-    slot = R + N + 1 + INTERNODE_MAX_LOCAL_EXPERTS
-    scale_max = (hidden_bytes // 2 + FP8_GROUP_SIZE - 1) // FP8_GROUP_SIZE * 4
-    msg = _align(hidden_bytes + scale_max + 8 + NUM_MAX_TOPK * 12 + 4 + R * 4, 16)
-    recv_row = hidden_bytes + scale_max + NUM_MAX_TOPK * 12 + 4
-    comb = _align(hidden_bytes + NUM_MAX_TOPK * 4, 16)
-    data = _align(R * 8) + _align(2 * R * slot * 4) + _align(R * slot * 4)
-    dispatch = _align(T * msg) + _align(N * T * msg) + _align(R * T * recv_row + 5 * BUFFER_ALIGNMENT)
-    combine = _align(R * T * comb) + 2 * _align(N * T * comb)
-    return data + max(dispatch, combine)
+        return reference_layout.internode_layout_bytes(hidden_bytes, num_ranks, num_ranks_per_node, max_tokens)
+    return ext.internode_layout(hidden_bytes, num_ranks, num_ranks_per_node, max_tokens).total_bytes
+
+
+@lru_cache(maxsize=None)
+def _extension():
+    """``ep_dispatcher._C`` if it is built (then the one source of the engines' buffer sizes), else None."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C
 
 
 def _check_hint_args(hidden_bytes: int, num_ranks: int) -> None:
@@ -178,19 +180,12 @@ def _check_hint_args(hidden_bytes: int, num_ranks: int) -> None:
         raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
 
 
-def low_latency_dispatch_message_bytes(hidden: int) -> int:
-    """One LL dispatch message: 16 bytes of metadata + the larger of the BF16 and FP8(+scales) payloads."""
-    return _align(16 + max(hidden * 2, hidden + hidden // FP8_GROUP_SIZE * 4), 16)
-
-
-def low_latency_combine_message_bytes(hidden: int) -> int:
-    return _align(16 + hidden * 2, 16)
-
-
 def get_low_latency_rdma_size_hint(
     num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
 ) -> int:
-    """NVSHMEM bytes per rank for low-latency mode (both halves of the double buffer)."""
+    """NVSHMEM bytes per rank for low-latency mode (both halves of the double buffer): the kernels' own layout
+    (``_C.low_latency_layout``, csrc/kernels/low_latency.cu ``make_layout``) where the extension is built, else the
+    reference backend's copy of its arithmetic (``backends/reference_layout.py``)."""
     for name, value in (
         ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
         ("hidden", hidden),
@@ -201,16 +196,13 @@ def get_low_latency_rdma_size_hint(
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if hidden % FP8_GROUP_SIZE != 0:
         raise ValueError(f"hidden: low-latency kernels need hidden % {FP8_GROUP_SIZE} == 0, got {hidden}")
-    dispatch_msg = low_latency_dispatch_message_bytes(hidden)
-    combine_msg = low_latency_combine_message_bytes(hidden)
-    tokens = num_max_dispatch_tokens_per_rank
-    # Send side: one staged copy per token (dispatch) or per (expert, slot) (combine); receive side: a slot
-    # for every (expert, source rank, token); signals: dispatch counts and combine flags (8 bytes per expert
-    # each) and one receive ack per rank. Must match csrc/kernels/low_latency.cu (make_layout).
-    send = max(tokens * dispatch_msg, num_experts * tokens * combine_msg)
-    recv = num_experts * tokens * max(dispatch_msg, combine_msg)
-    signals = num_experts * 8 * 2 + num_ranks * 8
-    return NUM_LOW_LATENCY_BUFFERS * (_align(send) + _align(recv) + _align(signals))
+    ext = _extension()
+    if ext is None:
+        from .backends import reference_layout
+
+        tokens = num_max_dispatch_tokens_per_rank
+        return reference_layout.low_latency_layout_bytes(tokens, hidden, num_ranks, num_experts)
+    return ext.low_latency_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).total_bytes
 
 
 def _config_dirs() -> list[Path]:

@@ -137,9 +137,9 @@ def allocate_dispatch_outputs(
         recv_data = torch.empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn, device=device)
         groups = hidden // 512 if use_ue8m0 else hidden // 128
         scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-        recv_scales = torch.empty(
-            (num_local_experts, groups, num_slots), dtype=scale_dtype, device=device
-        ).transpose(1, 2)
+        recv_scales = torch.empty((num_local_experts, groups, num_slots), dtype=scale_dtype, device=device).transpose(
+            1, 2
+        )
         if groups == 1:
             # Same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps it,
             # and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.

@@ -87,6 +87,21 @@ LL_ERROR_DISPATCH_RANGE, LL_ERROR_DISPATCH_REPEAT, LL_ERROR_COMBINE_RANGE = 1, 2
 _INT32_LIMITS = (-(2**31), 2**31 - 1)  # the record holds the bad value as int32, clamped
 
 
+def tokens_per_rank_mismatch(counts: Sequence[int], given: Sequence[int]) -> Optional[ValueError]:
+    """The error for a ``num_tokens_per_rank`` (``given``) that differs from ``is_token_in_rank.sum(0)`` (``counts``),
+    or None when they agree. One message for the reference and the internode engine (the intranode engine raises
+    its own from C++, with the same first clause after the name: entry, value, what ``is_token_in_rank`` sends)."""
+    counts, given = [int(c) for c in counts], [int(g) for g in given]
+    if counts == given:
+        return None
+    rank = next(r for r, (c, g) in enumerate(zip(counts, given)) if c != g)
+    return ValueError(
+        f"num_tokens_per_rank: expected is_token_in_rank.sum(0) = {counts}, got {given}: entry {rank} is "
+        f"{given[rank]} but is_token_in_rank sends {counts[rank]} tokens to rank {rank}; pass the counts "
+        "get_dispatch_layout returned with it"
+    )
+
+
 def low_latency_topk_error(code: int, token: int, k: int, value: int, num_experts: int) -> ValueError:
     """The ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel found (and skipped) on the GPU.
 

@@ -353,19 +353,23 @@ def test_low_latency_rejects_bad_inputs(group):
     # zero_copy=True reads get_next_low_latency_combine_buffer(handle), not x (DeepEP's contract), but x's form is
     # still checked.
     with pytest.raises(ValueError, match=r"x: expected shape \[8, 16, 128\], got \[8, 16, 256\]"):
-        buf.low_latency_combine(torch.zeros((E, T, 2 * H), dtype=torch.bfloat16), topk_idx, topk_weights, handle,
-                                zero_copy=True)
+        buf.low_latency_combine(
+            torch.zeros((E, T, 2 * H), dtype=torch.bfloat16), topk_idx, topk_weights, handle, zero_copy=True
+        )
     with pytest.raises(ValueError, match=r"combine_wait_recv_cost_stats: expected shape \[1\], got \[2\]"):
-        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
-                                combine_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64))
+        buf.low_latency_combine(
+            recv_x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64)
+        )
     with pytest.raises(TypeError, match=r"combine_wait_recv_cost_stats: expected dtype torch.int64, got torch.float32"):
-        buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle,
-                                combine_wait_recv_cost_stats=torch.zeros(1, dtype=torch.float32))
+        buf.low_latency_combine(
+            recv_x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=torch.zeros(1, dtype=torch.float32)
+        )
     # The reference backend adds 0 per rank (no per-peer wait to measure) and leaves the rest of the tensor alone.
     wait_stats = torch.full((1,), 5, dtype=torch.int64)
     buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=wait_stats)
-    _, _, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True,
-                                                     dispatch_wait_recv_cost_stats=wait_stats)
+    _, _, handle, _, hook = buf.low_latency_dispatch(
+        x, topk_idx, T, E, use_fp8=False, return_recv_hook=True, dispatch_wait_recv_cost_stats=wait_stats
+    )
     hook()
     assert wait_stats.tolist() == [5]
     with pytest.raises(ValueError, match=r"topk_idx: expected shape \[6, 2\] \(as dispatched\), got \[6, 1\]"):

@@ -1,10 +1,12 @@
-"""Config's internode buffer sizing: Python arithmetic vs the kernels' layout, and argument errors."""
+"""Config's buffer sizing (the kernels' layouts through ``_C``; the reference backend's Python copy of their arithmetic
+where the extension is not built, checked against them here), and argument errors."""
 
 from __future__ import annotations
 
 import pytest
 
 from ep_dispatcher import Config
+from ep_dispatcher.backends import reference_layout
 from ep_dispatcher.config import DEFAULT_MAX_TOKENS_PER_RANK, FP8_GROUP_SIZE, internode_layout_bytes
 
 SHAPES = [
@@ -39,13 +41,30 @@ def test_rdma_hint_is_the_layout(shape) -> None:
 def test_layout_matches_the_extension(shape) -> None:
     _C = pytest.importorskip("ep_dispatcher._C")
     hidden_bytes, ranks, per_node, tokens = shape
-    assert _C.internode_layout_bytes(hidden_bytes, ranks, per_node, tokens) == internode_layout_bytes(*shape)
+    layout = _C.internode_layout(hidden_bytes, ranks, per_node, tokens)
+    assert internode_layout_bytes(*shape) == layout.total_bytes  # the hint reads the kernels' layout
+    assert reference_layout.internode_layout_bytes(*shape) == layout.total_bytes  # the reference's copy agrees
+    assert layout.max_tokens == tokens and layout.num_nodes == ranks // per_node
+    assert 0 == layout.signal_offset < layout.notify_area_offset < layout.data_offset <= layout.recv_offset
+    assert layout.recv_offset + layout.recv_bytes <= layout.total_bytes
     # A buffer of exactly the hint holds exactly that many tokens (the kernels size themselves from the bytes).
-    hint = internode_layout_bytes(*shape)
+    hint = layout.total_bytes
     got = _C.internode_max_tokens(hint, hidden_bytes, ranks, per_node)
     assert got >= tokens
     assert internode_layout_bytes(hidden_bytes, ranks, per_node, got) <= hint
     assert internode_layout_bytes(hidden_bytes, ranks, per_node, got + 1) > hint
+
+
+def test_hints_without_the_extension_use_the_reference_arithmetic(monkeypatch) -> None:
+    from ep_dispatcher import Buffer
+    from ep_dispatcher import config as config_module
+
+    monkeypatch.setattr(config_module, "_extension", lambda: None)
+    shape = SHAPES[0]
+    assert internode_layout_bytes(*shape) == reference_layout.internode_layout_bytes(*shape)
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == reference_layout.low_latency_layout_bytes(
+        128, 7168, 8, 256
+    )
 
 
 def test_rdma_hint_errors_name_the_argument() -> None:
@@ -89,8 +108,11 @@ def test_low_latency_hint_matches_the_kernels_layout(max_tokens, hidden, ranks, 
     _C = pytest.importorskip("ep_dispatcher._C")
     from ep_dispatcher import Buffer
 
-    expected = _C.low_latency_layout_bytes(ranks, experts, max_tokens, hidden)
-    assert Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, experts) == expected
+    layout = _C.low_latency_layout(ranks, experts, max_tokens, hidden)
+    assert layout.total_bytes == 2 * layout.half_bytes
+    assert layout.recv_offset == layout.send_bytes and layout.ack_offset + ranks * 8 <= layout.half_bytes
+    assert Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, experts) == layout.total_bytes
+    assert reference_layout.low_latency_layout_bytes(max_tokens, hidden, ranks, experts) == layout.total_bytes
 
 
 def test_nvl_hint_with_tokens_holds_every_row_a_rank_can_receive():

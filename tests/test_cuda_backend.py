@@ -47,9 +47,16 @@ class _FakeEngine:
 def _handle(state) -> DispatchHandle:
     in_rank = torch.tensor([[True], [False], [True]])
     return DispatchHandle(
-        buffer_id=1, num_ranks=1, rank_prefix_matrix=torch.tensor([[2]], dtype=torch.int32),
-        recv_src_idx=torch.tensor([0, 2], dtype=torch.int32), is_token_in_rank=in_rank, num_recv_tokens=2,
-        num_recv_tokens_per_expert=None, backend_state=state, rank=0, num_ranks_per_node=1,
+        buffer_id=1,
+        num_ranks=1,
+        rank_prefix_matrix=torch.tensor([[2]], dtype=torch.int32),
+        recv_src_idx=torch.tensor([0, 2], dtype=torch.int32),
+        is_token_in_rank=in_rank,
+        num_recv_tokens=2,
+        num_recv_tokens_per_expert=None,
+        backend_state=state,
+        rank=0,
+        num_ranks_per_node=1,
     )
 
 
@@ -74,8 +81,11 @@ def test_routing_falls_back_to_the_reference_in_one_place(group) -> None:
     engine = backend.intranode = _FakeEngine(cuda_backend.IntranodeState)
     assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine")
     state = cuda_backend.IntranodeState(
-        count_matrix=torch.tensor([[2]], dtype=torch.int32), count_matrix_host=None,
-        send_pos=torch.tensor([[0], [-1], [1]], dtype=torch.int32), sent_rows=None, most_sent=2,
+        count_matrix=torch.tensor([[2]], dtype=torch.int32),
+        count_matrix_host=None,
+        send_pos=torch.tensor([[0], [-1], [1]], dtype=torch.int32),
+        sent_rows=None,
+        most_sent=2,
     )
     engine_handle = _handle(state)
     assert backend._route("dispatch", gpu) is engine

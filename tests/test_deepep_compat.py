@@ -92,8 +92,9 @@ def _intranode_worker(rank: int, num_ranks: int) -> None:
     gbl_num_tokens_per_expert = num_tokens_per_expert.clone()
     dist.all_reduce(gbl_num_tokens_per_expert)
 
-    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1,
-                            explicitly_destroy=True)
+    buffer = deep_ep.Buffer(
+        dist.group.WORLD, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True
+    )
     ref_per_rank, _, ref_per_expert, ref_in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     assert torch.equal(ref_per_rank, num_tokens_per_rank)
     assert torch.equal(ref_per_expert, num_tokens_per_expert)
@@ -111,9 +112,14 @@ def _intranode_worker(rank: int, num_ranks: int) -> None:
     for previous_mode in (False, True):
         for current_x in (x_pure_rand, x, x_e4m3):
             for with_topk in (False, True):
-                args = {"x": current_x, "num_tokens_per_rank": num_tokens_per_rank,
-                        "is_token_in_rank": is_token_in_rank, "num_tokens_per_expert": num_tokens_per_expert,
-                        "config": config, "async_finish": previous_mode}
+                args = {
+                    "x": current_x,
+                    "num_tokens_per_rank": num_tokens_per_rank,
+                    "is_token_in_rank": is_token_in_rank,
+                    "num_tokens_per_expert": num_tokens_per_expert,
+                    "config": config,
+                    "async_finish": previous_mode,
+                }
                 if with_topk:
                     args.update({"topk_idx": topk_idx, "topk_weights": topk_weights})
                 if previous_mode:
@@ -144,11 +150,15 @@ def _intranode_worker(rank: int, num_ranks: int) -> None:
                     worst_x = per_token_cast_back(*worst_x).bfloat16() if isinstance(worst_x, tuple) else worst_x
                     assert len(empty_list) == 0 and worst_x.size(0) == num_worst
                     assert torch.equal(recv_x, worst_x[: recv_x.size(0)])
-                    assert bool((worst_idx[recv_x.size(0):] == -1).all())
+                    assert bool((worst_idx[recv_x.size(0) :] == -1).all())
                 else:
                     # Cached: the layout arguments are ignored (even wrong ones), the returned handle is None.
-                    cached = {"x": current_x, "handle": handle, "config": config,
-                              "num_tokens_per_rank": num_tokens_per_rank + 1}
+                    cached = {
+                        "x": current_x,
+                        "handle": handle,
+                        "config": config,
+                        "num_tokens_per_rank": num_tokens_per_rank + 1,
+                    }
                     cached_x, _, _, _, no_handle, _ = buffer.dispatch(**cached)
                     assert no_handle is None
                     cached_x = per_token_cast_back(*cached_x).bfloat16() if isinstance(cached_x, tuple) else cached_x
@@ -183,12 +193,27 @@ def _internode_worker(rank: int, num_ranks: int) -> None:
     buffer = deep_ep.Buffer(dist.group.WORLD, int(1e8), int(1e8), num_ranks_per_node=per_node)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     recv_x, _, _, recv_list, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=torch.rand(num_tokens, num_topk),
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=torch.rand(num_tokens, num_topk),
     )
     assert isinstance(handle, tuple) and len(handle) == 10
-    (in_rank_h, rdma_channel, gbl_channel, recv_rdma_channel, recv_rdma_prefix, recv_gbl_channel,
-     recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head) = handle
+    (
+        in_rank_h,
+        rdma_channel,
+        gbl_channel,
+        recv_rdma_channel,
+        recv_rdma_prefix,
+        recv_gbl_channel,
+        recv_gbl_rank_prefix_sum,
+        recv_src_meta,
+        send_rdma_head,
+        send_nvl_head,
+    ) = handle
     assert in_rank_h is handle[0] and torch.equal(in_rank_h, is_token_in_rank)
     assert handle[-4] is recv_gbl_rank_prefix_sum and recv_gbl_rank_prefix_sum.size(0) == num_ranks
     start = 0
@@ -226,8 +251,13 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
     topk_idx[1, 2] = -1
     topk_weights = torch.rand((num_tokens, num_topk), generator=g)
     num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
-                            num_qps_per_rank=num_local_experts, explicitly_destroy=True)
+    buffer = deep_ep.Buffer(
+        dist.group.WORLD,
+        num_rdma_bytes=num_rdma_bytes,
+        low_latency_mode=True,
+        num_qps_per_rank=num_local_experts,
+        explicitly_destroy=True,
+    )
     all_topk_idx = [torch.empty_like(topk_idx) for _ in range(num_ranks)]
     dist.all_gather(all_topk_idx, topk_idx)
     all_topk_idx = torch.stack(all_topk_idx)
@@ -237,9 +267,16 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                 stats = torch.zeros((num_local_experts,), dtype=torch.int)
                 wait_stats = torch.full((num_ranks,), 7, dtype=torch.int64)
                 packed_recv_x, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
-                    current_x, topk_idx, num_tokens, num_experts, cumulative_local_expert_recv_stats=stats,
-                    dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8,
-                    async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
+                    current_x,
+                    topk_idx,
+                    num_tokens,
+                    num_experts,
+                    cumulative_local_expert_recv_stats=stats,
+                    dispatch_wait_recv_cost_stats=wait_stats,
+                    use_fp8=use_fp8,
+                    async_finish=not return_recv_hook,
+                    return_recv_hook=return_recv_hook,
+                )
                 hook() if return_recv_hook else event.current_stream_wait()
                 assert torch.equal(wait_stats, torch.full((num_ranks,), 7))  # reference: adds 0 (documented)
                 assert isinstance(handle, tuple) and len(handle) == 5
@@ -247,7 +284,10 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                 assert (max_tokens, hidden_h, experts_h) == (num_tokens, hidden, num_experts)
                 simulated = (
                     per_token_cast_back(packed_recv_x[0].view(-1, hidden), packed_recv_x[1].reshape(-1, hidden // 128))
-                    .view(packed_recv_x[0].shape).bfloat16() if use_fp8 else packed_recv_x.clone()
+                    .view(packed_recv_x[0].shape)
+                    .bfloat16()
+                    if use_fp8
+                    else packed_recv_x.clone()
                 )
                 for i in range(num_local_experts):
                     expert_id = rank * num_local_experts + i
@@ -259,7 +299,7 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                         assert (rows[:, -128:] - recv_src_info[:count].view(-1, 1) % num_tokens).sum().item() == 0
                         for j in range(num_ranks):
                             begin, n = (recv_layout_range[j] >> 32).item(), (recv_layout_range[j] & (2**32 - 1)).item()
-                            assert (rows[begin:begin + n, :-128].float() - j + rank_offset).abs().sum().item() == 0
+                            assert (rows[begin : begin + n, :-128].float() - j + rank_offset).abs().sum().item() == 0
                 for zero_copy in (False, True):
                     if zero_copy:
                         buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated
@@ -267,9 +307,17 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                     out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16)
                     combine_stats = torch.zeros((num_ranks,), dtype=torch.int64)
                     combined_x, event, hook = buffer.low_latency_combine(
-                        poisoned, topk_idx, topk_weights, handle, use_logfmt=use_logfmt, zero_copy=zero_copy,
-                        async_finish=not return_recv_hook, return_recv_hook=return_recv_hook, out=out,
-                        combine_wait_recv_cost_stats=combine_stats)
+                        poisoned,
+                        topk_idx,
+                        topk_weights,
+                        handle,
+                        use_logfmt=use_logfmt,
+                        zero_copy=zero_copy,
+                        async_finish=not return_recv_hook,
+                        return_recv_hook=return_recv_hook,
+                        out=out,
+                        combine_wait_recv_cost_stats=combine_stats,
+                    )
                     hook() if return_recv_hook else event.current_stream_wait()
                     assert combined_x is out and not torch.isnan(combined_x).any()
                     expected = current_x.float() * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1, keepdim=True)
@@ -277,8 +325,9 @@ def _low_latency_worker(rank: int, num_ranks: int, use_logfmt: bool) -> None:
                     assert diff < (9e-4 if use_fp8 else 1e-5), (diff, use_fp8, zero_copy, use_logfmt)  # DeepEP's bounds
                     if use_logfmt and current_x is x_small and not zero_copy:
                         # The format did apply: the plain BF16 combine of the same data differs.
-                        plain, _, hook = buffer.low_latency_combine(simulated, topk_idx, topk_weights, handle,
-                                                                    return_recv_hook=True)
+                        plain, _, hook = buffer.low_latency_combine(
+                            simulated, topk_idx, topk_weights, handle, return_recv_hook=True
+                        )
                         hook()
                         assert not torch.equal(plain, combined_x)
     buffer.destroy()
@@ -317,9 +366,13 @@ def test_logfmt_roundtrip_is_the_documented_format():
     x = x.bfloat16()
     y = logfmt_roundtrip(x)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
-    expected = torch.tensor(
-        [_logfmt_scalar(group) for group in x.double().view(-1, LOGFMT_GROUP_SIZE).tolist()], dtype=torch.float64
-    ).bfloat16().view(x.shape)
+    expected = (
+        torch.tensor(
+            [_logfmt_scalar(group) for group in x.double().view(-1, LOGFMT_GROUP_SIZE).tolist()], dtype=torch.float64
+        )
+        .bfloat16()
+        .view(x.shape)
+    )
     assert torch.equal(y, expected)
     assert torch.equal(y[0, :LOGFMT_GROUP_SIZE], x[0, :LOGFMT_GROUP_SIZE])
     assert torch.equal(y[1, LOGFMT_GROUP_SIZE : 2 * LOGFMT_GROUP_SIZE], x[1, LOGFMT_GROUP_SIZE : 2 * LOGFMT_GROUP_SIZE])
@@ -403,8 +456,13 @@ def _names_worker(rank: int, num_ranks: int) -> None:
     ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, 128, num_ranks, num_ranks)
     ll = deep_ep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True)
     with pytest.raises(ValueError, match=r"dispatch_wait_recv_cost_stats: expected shape \[%d\]" % num_ranks):
-        ll.low_latency_dispatch(torch.randn(4, 128).bfloat16(), torch.zeros((4, 1), dtype=torch.int64), 4, num_ranks,
-                                dispatch_wait_recv_cost_stats=torch.zeros((num_ranks, num_ranks), dtype=torch.int64))
+        ll.low_latency_dispatch(
+            torch.randn(4, 128).bfloat16(),
+            torch.zeros((4, 1), dtype=torch.int64),
+            4,
+            num_ranks,
+            dispatch_wait_recv_cost_stats=torch.zeros((num_ranks, num_ranks), dtype=torch.int64),
+        )
 
 
 def test_missing_names_exist():
@@ -446,8 +504,9 @@ def _comm_worker(rank: int, num_ranks: int, port: int) -> None:
     topk_idx = torch.tensor([[rank], [(rank + 1) % num_ranks]], dtype=torch.int64)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_ranks)
     x = torch.full((2, 16), float(rank)).bfloat16()
-    recv, _, _, recv_list, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                        num_tokens_per_expert=per_expert)
+    recv, _, _, recv_list, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
+    )
     assert recv_list == [2] and sorted(recv[:, 0].tolist()) == sorted([float(rank), float((rank - 1) % num_ranks)])
     with pytest.raises(TypeError, match=r"comm: expected an mpi4py.MPI.Comm \(with Get_rank\(\)\), got object"):
         deep_ep.Buffer(None, comm=object())
@@ -475,9 +534,19 @@ def _megatron_flex_worker(rank: int, world: int) -> float:
     assert not is_installed() and fused_a2a.HAVE_DEEP_EP
     cpu_shim.enable()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
-    common = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
-                  moe_ffn_hidden_size=32, use_cpu_initialization=True, moe_aux_loss_coeff=0.0, add_bias_linear=False,
-                  expert_model_parallel_size=world, moe_router_dtype="fp32")
+    common = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        expert_model_parallel_size=world,
+        moe_router_dtype="fp32",
+    )
     layers = {}
     for kind, extra in (("allgather", {}), ("flex", {"moe_flex_dispatcher_backend": "deepep"})):
         config = TransformerConfig(moe_token_dispatcher_type=kind, **common, **extra)

@@ -57,8 +57,27 @@ def test_example_trains_and_matches_allgather():
 def test_example_flex_switch_matches_the_plugin():
     """Issue 20: Megatron's own flex dispatcher on ep_dispatcher through install_as_deep_ep() alone trains like our
     plugin's path (same losses, fp32)."""
-    command = [sys.executable, EXAMPLE, "--ranks", "2", "--steps", "3", "--layers", "1", "--hidden", "32",
-               "--experts", "4", "--seq", "16", "--vocab", "64", "--backend", "gloo", "--flex-switch"]
+    command = [
+        sys.executable,
+        EXAMPLE,
+        "--ranks",
+        "2",
+        "--steps",
+        "3",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--experts",
+        "4",
+        "--seq",
+        "16",
+        "--vocab",
+        "64",
+        "--backend",
+        "gloo",
+        "--flex-switch",
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -248,8 +248,12 @@ def _virtual_nodes_worker(rank: int, world: int) -> int:
     case = rc.random_case(4242, world)
     inputs = [rc.rank_inputs(case, r) for r in range(world)]
     x, topk_idx, topk_weights = inputs[rank]
-    buf = Buffer(None, num_nvl_bytes=Config().get_nvl_buffer_size_hint(case.hidden * 2, world), num_ranks_per_node=2,
-                 backend="reference")
+    buf = Buffer(
+        None,
+        num_nvl_bytes=Config().get_nvl_buffer_size_hint(case.hidden * 2, world),
+        num_ranks_per_node=2,
+        backend="reference",
+    )
     assert buf.is_internode
     per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, case.num_experts)
     local = case.num_local_experts
@@ -261,8 +265,14 @@ def _virtual_nodes_worker(rank: int, world: int) -> int:
     with pytest.raises(TypeError, match=r"num_tokens_per_rdma_rank: expected a torch.Tensor, got NoneType"):
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
     recv_x, recv_topk, _, _, _, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
     exp_x, exp_topk, _, _, _ = rc.expected_dispatch(case, rank, inputs)
     assert torch.equal(recv_x, exp_x) and torch.equal(recv_topk, exp_topk)  # same semantics across nodes
     return 1
@@ -284,8 +294,14 @@ def _multi_node_combine_worker(rank: int, world: int, seeds) -> int:
         assert buf.num_ranks_per_node == 2 and buf.is_internode
         per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, case.num_experts)
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_node,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
         g = torch.Generator().manual_seed(seed + 7 * rank)
         biases = [(torch.randn((x.size(0), case.hidden), generator=g) * 4).to(torch.bfloat16) for _ in range(2)]
         y = rc.expert_fn(rank, recv_x)
@@ -303,4 +319,3 @@ def test_multi_node_combine_order() -> None:
     seeds = [11, 12, 13]
     # Somewhere the node order must give other bits than a flat rank-order sum, else this test proves nothing.
     assert sum(run(_multi_node_combine_worker, 4, seeds)) > 0
-

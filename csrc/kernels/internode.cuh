@@ -38,7 +38,8 @@ constexpr int kMaxLocalExperts = 1024;  // per-expert counts a notify slot holds
 // Offsets inside one rank's symmetric buffer. The signal part depends on (R, P) only, so barrier counters survive
 // calls of other shapes; the data part is laid out for hidden_bytes (= hidden * max(element_size, 2)) and
 // max_tokens (tokens per rank). Dispatch and combine regions overlap: a barrier starts every call.
-// Must match ep_dispatcher.config.internode_layout_bytes.
+// The one source of these sizes: Python reads them through _C.internode_layout (ep_dispatcher/config.py); the
+// reference backend's copy of the arithmetic (backends/reference_layout.py) serves only without the extension.
 struct Layout {
     int num_ranks, num_ranks_per_node, num_nodes, max_tokens;
     int64_t hidden_bytes;

@@ -63,7 +63,8 @@ struct Layout {
     __host__ __device__ int64_t ack_offset() const { return combine_signal_offset() + int64_t(num_experts) * 8; }
 };
 
-// Same arithmetic as ep_dispatcher.config.get_low_latency_rdma_size_hint (2 * half_bytes == the hint).
+// The one source of these sizes: Buffer.get_low_latency_rdma_size_hint is 2 * half_bytes through _C.low_latency_layout;
+// the reference backend's copy of the arithmetic (backends/reference_layout.py) serves only without the extension.
 Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden);
 
 // Per-Buffer device state outside the symmetric heap: epochs and the block-arrival counters (the last block of a

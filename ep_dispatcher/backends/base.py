@@ -7,21 +7,72 @@ assume well-formed shapes, dtypes and devices; tensor *contents* are checked by 
 ``checks_topk_idx_on_device`` says the backend checks them itself.
 
 Handles carry a ``backend_state``: a frozen dataclass of the backend (and engine) that made the handle, opaque to
-everyone else.
+everyone else. A fresh dispatch's arguments travel as one frozen ``DispatchArgs`` (a low-latency dispatch's as one
+``LowLatencyDispatchArgs``), built once by ``Buffer`` and passed unchanged to whichever engine or reference serves it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
+from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 
 # low_latency_dispatch returns this: receive(recv_x, recv_scales, recv_count) fills the outputs (the receive phase).
 LowLatencyDispatchReceive = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
 # low_latency_combine returns this: receive(out) writes the [num_tokens, hidden] result (the receive phase).
 LowLatencyCombineReceive = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class DispatchArgs:
+    """One fresh (non-cached) high-throughput dispatch, as ``Buffer.dispatch`` checked it.
+
+    x: ``[num_tokens, hidden]`` payload rows (any dtype, rows a multiple of 16 bytes); x_scales: ``[num_tokens,
+    num_scales]`` or None; is_token_in_rank: ``[num_tokens, num_ranks] bool``; num_tokens_per_rank: ``[num_ranks]
+    int32`` or None (must equal ``is_token_in_rank.sum(0)``: every backend raises ``ValueError`` naming it when it does
+    not); topk_idx ``[num_tokens, num_topk] int64`` / topk_weights ``float32``, or both None; num_experts: from
+    ``num_tokens_per_expert`` (None without it); num_worst_tokens: 0, or the fixed receive row count (no host sync);
+    buffer_id: the ``Buffer`` the handle belongs to; config: the call's launch config (its ``num_sms``).
+    """
+
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    is_token_in_rank: torch.Tensor
+    num_tokens_per_rank: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+    num_experts: Optional[int]
+    expert_alignment: int
+    num_worst_tokens: int
+    buffer_id: int
+    config: Optional[Config] = None
+    num_tokens_per_expert: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchArgs:
+    """One low-latency dispatch, as ``Buffer.low_latency_dispatch`` checked it.
+
+    x: ``[num_tokens, hidden] bfloat16``; topk_idx: ``[num_tokens, num_topk] int64``; half: the buffer half (0 or 1);
+    cumulative_stats: optional ``[num_local_experts] int32`` the receive phase adds the counts to; wait_stats: optional
+    ``[num_ranks] int64`` (cycles spun per source rank).
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    buffer_id: int
+    half: int = 0
+    cumulative_stats: Optional[torch.Tensor] = None
+    wait_stats: Optional[torch.Tensor] = None
 
 
 @runtime_checkable
@@ -48,21 +99,7 @@ class Backend(Protocol):
         """``(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)``."""
         ...
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_rank: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_experts: Optional[int],
-        expert_alignment: int,
-        num_worst_tokens: int,
-        buffer_id: int,
-        config=None,
-        num_tokens_per_expert: Optional[torch.Tensor] = None,
-    ) -> tuple:
+    def dispatch(self, args: DispatchArgs) -> tuple:
         """``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``."""
         ...
 
@@ -83,22 +120,9 @@ class Backend(Protocol):
         """``(combined_x, combined_topk_weights or None)``."""
         ...
 
-    def dispatch_expert_major(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_rank: Optional[torch.Tensor],
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-        expert_alignment: int,
-        buffer_id: int,
-        config=None,
-        num_tokens_per_expert: Optional[torch.Tensor] = None,
-    ) -> tuple:
-        """As ``dispatch`` (``num_worst_tokens = 0``) with ``recv_x`` / ``recv_x_scales`` expert-major ``[M, ...]``
-        and the layout in ``handle.expert_major`` (fused permute; ``ep_dispatcher/expert_major.py``)."""
+    def dispatch_expert_major(self, args: DispatchArgs) -> tuple:
+        """As ``dispatch`` (``args.num_worst_tokens == 0``) with ``recv_x`` / ``recv_x_scales`` expert-major
+        ``[M, ...]`` and the layout in ``handle.expert_major`` (fused permute; ``ep_dispatcher/expert_major.py``)."""
         ...
 
     def cached_dispatch_expert_major(
@@ -118,20 +142,7 @@ class Backend(Protocol):
         """Combine of an expert-major ``x [M, hidden]`` (each token's rows summed in row order first)."""
         ...
 
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        buffer_id: int,
-        half: int = 0,
-        cumulative_stats: Optional[torch.Tensor] = None,
-        wait_stats: Optional[torch.Tensor] = None,
-    ) -> Tuple[LowLatencyHandle, LowLatencyDispatchReceive]:
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> Tuple[LowLatencyHandle, LowLatencyDispatchReceive]:
         """Launch the send phase; returns ``(handle, receive)``."""
         ...
 
@@ -165,4 +176,10 @@ class Backend(Protocol):
         ...
 
 
-__all__: List[str] = ["Backend", "LowLatencyCombineReceive", "LowLatencyDispatchReceive"]
+__all__: List[str] = [
+    "Backend",
+    "DispatchArgs",
+    "LowLatencyCombineReceive",
+    "LowLatencyDispatchArgs",
+    "LowLatencyDispatchReceive",
+]

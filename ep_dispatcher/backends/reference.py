@@ -36,7 +36,9 @@ import torch.distributed as dist
 from ..expert_major import permute_rows, to_expert_major, unpermute_sum
 from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
+from ..validation import tokens_per_rank_mismatch
 from ..handles import DispatchHandle, LowLatencyHandle
+from .base import DispatchArgs, LowLatencyDispatchArgs
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -172,34 +174,21 @@ class ReferenceBackend:
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_rank: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_experts: Optional[int],
-        expert_alignment: int,
-        num_worst_tokens: int,
-        buffer_id: int,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
+    def dispatch(self, args: DispatchArgs):
         """Normal dispatch.
 
         Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)``.
         """
+        x, x_scales, is_token_in_rank = args.x, args.x_scales, args.is_token_in_rank
+        topk_idx, topk_weights, num_experts = args.topk_idx, args.topk_weights, args.num_experts
+        expert_alignment, num_worst_tokens = args.expert_alignment, args.num_worst_tokens
+        num_tokens_per_rank, num_tokens_per_expert = args.num_tokens_per_rank, args.num_tokens_per_expert
         device = x.device
         send_counts_t = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
-        if num_tokens_per_rank is not None and not torch.equal(
-            num_tokens_per_rank.to(torch.int64).cpu(), send_counts_t
-        ):
-            raise ValueError(
-                "num_tokens_per_rank: expected is_token_in_rank.sum(0) = "
-                f"{send_counts_t.tolist()}, got {num_tokens_per_rank.tolist()}"
-            )
+        if num_tokens_per_rank is not None:
+            error = tokens_per_rank_mismatch(send_counts_t.tolist(), num_tokens_per_rank.tolist())
+            if error is not None:
+                raise error
         # Tokens for rank r, in source order, concatenated over r ascending.
         dest, token = torch.nonzero(is_token_in_rank.t(), as_tuple=True)
         send_idx = token.to(device)
@@ -262,7 +251,7 @@ class ReferenceBackend:
 
         rank_prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32).to(device)
         handle = DispatchHandle(
-            buffer_id=buffer_id,
+            buffer_id=args.buffer_id,
             num_ranks=self.num_ranks,
             rank_prefix_matrix=rank_prefix_matrix,
             recv_src_idx=recv_src_idx,
@@ -297,9 +286,7 @@ class ReferenceBackend:
             parts.append(x_scales[send_idx])
             templates.append((x_scales.dtype, tuple(x_scales.shape[1:])))
         packed, widths = _pack_rows(parts)
-        fields = _unpack_rows(
-            self._all_to_all_rows(packed, state.send_counts, state.recv_counts), widths, templates
-        )
+        fields = _unpack_rows(self._all_to_all_rows(packed, state.send_counts, state.recv_counts), widths, templates)
         recv_x = fields[0]
         recv_x_scales = fields[1] if x_scales is not None else None
         if handle.num_worst_tokens > 0:
@@ -383,37 +370,10 @@ class ReferenceBackend:
     # ------------------------------------------------------------------ expert-major dispatch / combine (fused permute)
     # The specification is the composition below (normal call + ``expert_major`` permute / un-permute); an engine with
     # a fused kernel overrides these three methods and must match them bit for bit.
-    def dispatch_expert_major(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_rank: Optional[torch.Tensor],
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-        expert_alignment: int,
-        buffer_id: int,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
+    def dispatch_expert_major(self, args: DispatchArgs):
         """Dispatch whose ``recv_x`` (and scales) are expert-major ``[M, ...]``; ``handle.expert_major`` holds the
         layout. Returns what ``dispatch`` returns (top-k outputs stay in received order)."""
-        result = self.dispatch(
-            x,
-            x_scales,
-            is_token_in_rank,
-            num_tokens_per_rank,
-            topk_idx,
-            topk_weights,
-            num_experts,
-            expert_alignment,
-            0,
-            buffer_id,
-            config=config,
-            num_tokens_per_expert=num_tokens_per_expert,
-        )
-        return to_expert_major(result, num_experts // self.num_ranks, expert_alignment)
+        return to_expert_major(self.dispatch(args), args.num_experts // self.num_ranks, args.expert_alignment)
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
         """Cached dispatch into the handle's expert-major layout: ``(recv_x [M, ...], recv_x_scales | None)``."""
@@ -426,30 +386,19 @@ class ReferenceBackend:
         return self.combine(unpermute_sum(x, handle.expert_major), handle, topk_weights, bias, config=config)
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        buffer_id: int,
-        half: int = 0,
-        cumulative_stats: Optional[torch.Tensor] = None,
-        wait_stats: Optional[torch.Tensor] = None,
-    ):
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
         """Exchange now; returns ``(handle, receive)`` where ``receive(recv_x, recv_scales, recv_count)`` fills the
         outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
         engines. ``wait_stats`` (``dispatch_wait_recv_cost_stats``, ``[num_ranks] int64``) is left as it is, i.e.
         0 is added for every rank: the exchange is a blocking collective, which exposes no per-peer wait to
         measure (the CUDA engine adds the cycles its receive kernel spins per source rank)."""
+        x, topk_idx, num_experts, cumulative_stats = args.x, args.topk_idx, args.num_experts, args.cumulative_stats
+        use_fp8, round_scale, use_ue8m0 = args.use_fp8, args.round_scale, args.use_ue8m0
         num_tokens, hidden = x.shape
         num_topk = topk_idx.size(1)
         num_ranks, device = self.num_ranks, x.device
         num_local_experts = num_experts // num_ranks
-        max_tokens = num_max_dispatch_tokens_per_rank
+        max_tokens = args.num_max_dispatch_tokens_per_rank
         num_slots = num_ranks * max_tokens
 
         # One message per valid (token, k) entry, ordered by (destination rank, local expert, token): the
@@ -520,7 +469,7 @@ class ReferenceBackend:
                 recv_scales[e, s] = received[1]
 
         handle = LowLatencyHandle(
-            buffer_id=buffer_id,
+            buffer_id=args.buffer_id,
             src_info=src_info,
             layout_range=layout_range,
             num_max_dispatch_tokens_per_rank=max_tokens,

@@ -17,17 +17,11 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
+from tests.gpu.common import NUM_SMS, require_extension, set_device
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-try:
-    import ep_dispatcher._C as _C  # noqa: N812
-except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
-if not _C.has_nvshmem():
-    pytest.skip("ep_dispatcher._C was built without NVSHMEM", allow_module_level=True)
+_C = require_extension(nvshmem=True)
 
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 
@@ -39,7 +33,6 @@ CONFIGS = [
 NUM_NVL_BYTES = 1 << 30  # the Buffer checks the NVLink hint; the internode engine allocates none of it
 MAX_TOKENS = 512  # >= tokens any rank passes in these tests (random cases have <= 300)
 MAX_HIDDEN_BYTES = 7168 * 4  # fp32 combine of hidden 7168
-NUM_SMS = 8  # per rank: 8 ranks x 8 blocks per kernel stay far below the 132 SMs of an H200
 POISON_BYTES = 64 << 20
 KERNEL_TIMEOUT_S = float(os.environ.get("EP_GPU_KERNEL_TIMEOUT_S", "60"))  # a lost signal fails a test this fast
 
@@ -48,8 +41,7 @@ def _setup(rank: int, per_node: int) -> torch.device:
     os.environ["EP_DISPATCHER_RANKS_PER_NODE"] = str(per_node)
     # One GPU, no NIC: P2P transport only, no NVLink multicast, bootstrap over loopback.
     use_nvshmem_on_one_machine()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
+    return set_device(rank)
 
 
 def _buffers(world: int, per_node: int):
@@ -68,8 +60,10 @@ def _where(a: torch.Tensor, b: torch.Tensor) -> str:
     bad = (a != b).reshape(a.size(0), -1).any(1)  # NaN != NaN counts as a difference too
     rows = bad.nonzero().flatten()
     first = int(rows[0]) if rows.numel() else 0
-    return (f"shape {tuple(a.shape)}, {rows.numel()} rows differ, first {rows[:6].tolist()}; "
-            f"row {first}: {a[first].flatten()[:6].tolist()} vs {b[first].flatten()[:6].tolist()}")
+    return (
+        f"shape {tuple(a.shape)}, {rows.numel()} rows differ, first {rows[:6].tolist()}; "
+        f"row {first}: {a[first].flatten()[:6].tolist()} vs {b[first].flatten()[:6].tolist()}"
+    )
 
 
 def _same(errors: list, what: str, a, b) -> None:
@@ -140,8 +134,12 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
     _same(errors, f"{tag} combined_x (bias pair)", comb_c[0], comb_r[0])
     _same(errors, f"{tag} combined_topk_weights", comb_c[1], comb_r[1])
     poison_allocator(POISON_BYTES, device)
-    _same(errors, f"{tag} combined_x (one bias)", cuda.combine(y, hc, bias=biases[0], config=config)[0],
-          ref.combine(y, hr, bias=biases[0])[0])
+    _same(
+        errors,
+        f"{tag} combined_x (one bias)",
+        cuda.combine(y, hc, bias=biases[0], config=config)[0],
+        ref.combine(y, hr, bias=biases[0])[0],
+    )
     _same(errors, f"{tag} combined_x (no bias)", cuda.combine(y, hc, config=config)[0], ref.combine(y, hr)[0])
     y32 = out_r[0].float() * 0.5 - 0.25
     _same(errors, f"{tag} fp32 combine", cuda.combine(y32, hc, config=config)[0], ref.combine(y32, hr)[0])
@@ -167,8 +165,9 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
         _same(errors, f"{tag} cached fp8 scales", s_c, s_r)
         # Combine after a dispatch without top-k.
         y8 = rc.expert_fn(me, out_r[0])
-        _same(errors, f"{tag} combine of an fp8 handle", cuda.combine(y8, h8c, config=config)[0],
-              ref.combine(y8, h8r)[0])
+        _same(
+            errors, f"{tag} combine of an fp8 handle", cuda.combine(y8, h8c, config=config)[0], ref.combine(y8, h8r)[0]
+        )
 
     # num_worst_tokens: no host sync; valid rows equal, padding rows marked.
     worst = sum(case.tokens_per_rank) + 5
@@ -181,8 +180,11 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, per_node: i
         _same(errors, f"{tag} worst recv_x", wc[0][:n], out_r[0])
         _same(errors, f"{tag} worst recv_topk_idx", wc[1][:n], out_r[1])
         _same(errors, f"{tag} worst recv_topk_weights", wc[2][:n], out_r[2])
-        if not (bool((wc[1][n:] == -1).all()) and bool((wc[2][n:] == 0).all())
-                and bool((wc[4].recv_src_idx[n:] == -1).all())):
+        if not (
+            bool((wc[1][n:] == -1).all())
+            and bool((wc[2][n:] == 0).all())
+            and bool((wc[4].recv_src_idx[n:] == -1).all())
+        ):
             errors.append(f"{tag} worst-mode padding rows not marked")
         _same(errors, f"{tag} worst per-expert counts", wc[4].num_recv_tokens_per_expert, hr.num_recv_tokens_per_expert)
         yw = torch.cat([rc.expert_fn(me, out_r[0]), torch.zeros_like(wc[0][n:])])
@@ -233,8 +235,14 @@ def _stress_worker(rank: int, world: int, per_node: int, iterations: int) -> tup
         topk_weights = torch.rand((n, topk), generator=g).to(device)
         try:
             per_rank, per_rdma, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
-            kwargs = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                          num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+            kwargs = dict(
+                num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+            )
             rc_ = cuda.dispatch(x, config=config, **kwargs)
             rr = ref.dispatch(x, **kwargs)
             _same(errors, f"iteration {it} recv_x", rc_[0], rr[0])
@@ -286,9 +294,16 @@ def _graph_worker(rank: int, world: int, per_node: int, iterations: int) -> list
     def step():
         per_rank, per_rdma, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
         recv_x, _, recv_w, _, handle, _ = cuda.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            num_worst_tokens=worst, config=config)
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_worst_tokens=worst,
+            config=config,
+        )
         out, out_w, _ = cuda.combine(recv_x, handle, topk_weights=recv_w, config=config)
         return out, out_w
 

@@ -14,26 +14,15 @@ import torch
 
 from tests import reference_cases as rc
 from tests.dist import run
+from tests.gpu.common import NUM_SMS, WORLDS, require_extension, set_device
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-try:
-    import ep_dispatcher._C  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
+require_extension()
 
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 
-WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
 NUM_NVL_BYTES = 1 << 30  # >= Config.get_nvl_buffer_size_hint(7168 * 4, 8) (fp32 combine), which the Buffer checks
-NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200 even without the MPS thread limit
-
-
-def _set_device(rank: int) -> torch.device:
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _buffers(world: int):
@@ -120,7 +109,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> 
 
 
 def _compare_worker(rank: int, world: int, seeds) -> int:
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda, ref = _buffers(world)
     for seed in seeds:
         case = rc.random_case(seed, world, hidden_choices=(2048, 4096, 7168, 1024 + 8))
@@ -141,7 +130,7 @@ def test_intranode_matches_reference(world: int) -> None:
 
 def _graph_and_stress_worker(rank: int, world: int, iterations: int) -> str:
     """CUDA-graph replay of a worst-case dispatch + combine with new inputs, as a stress loop of changing routings."""
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda, _ = _buffers(world)
     config = Config(NUM_SMS)
     num_tokens, hidden, num_experts, topk = 256, 2048, 8 * world, 4
@@ -207,7 +196,7 @@ def test_intranode_graph_replay_and_stress(world: int) -> None:
 def _input_error_worker(rank: int, world: int) -> list:
     """Bad contents found on the device (no host sync) raise ValueError on every rank at the count exchange, and the
     buffer keeps working afterwards."""
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda, ref = _buffers(world)
     config = Config(NUM_SMS)
     num_tokens, hidden, num_experts, topk = 64, 256, 4 * world, 2
@@ -268,7 +257,7 @@ def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
 def _lifetime_worker(rank: int, world: int) -> int:
     """Outputs own their receive-pool regions: they survive any number of later calls (the pool evicts the oldest
     ones when it runs out of room) and the buffer's destruction, bit for bit."""
-    device = _set_device(rank)
+    device = set_device(rank)
     config = Config(NUM_SMS)
     num_tokens, hidden, num_experts, topk = 128, 1024, 4 * world, 2
     row_bytes = hidden * 2 + topk * 12 + 4
@@ -284,8 +273,13 @@ def _lifetime_worker(rank: int, world: int) -> int:
         topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
         per_rank, _, per_expert, in_rank, _ = cuda.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = cuda.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, config=config,
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            config=config,
         )
         cached, *_ = cuda.dispatch(x, handle=handle, config=config)  # a second output of the same shape
         combined, _, _ = cuda.combine(recv_x, handle, config=config)
@@ -325,9 +319,10 @@ def _rerun_worker(rank: int, world: int) -> int:
     """A fresh dispatch that does not fit in the largest free region while earlier outputs fill the pool: the block
     laid out before the counts were known is too small, so the data phase runs again after evicting the oldest
     outputs. Exact, and the outputs kept alive are unchanged."""
-    device = _set_device(rank)
+    device = set_device(rank)
     config = Config(NUM_SMS)
     hidden, n = 512, 64
+
     # Token t goes to rank t % world only (no top-k): every rank receives exactly num_tokens rows, in source order.
     # Twice one big call's outputs and 10 % (a smaller pool would grow instead: see the end of this test), so that the
     # big and the small call's outputs leave less than one big call's room free. Block sizes: x and src regions, each
@@ -387,7 +382,7 @@ def test_intranode_fresh_dispatch_reruns_when_the_laid_out_block_is_too_small(wo
 def _fallback_worker(rank: int, world: int) -> int:
     """Combine in fp16 and fp64 (the kernels sum bf16 and fp32 only): the cuda backend routes it to the reference
     backend it holds, on the engine's handle; the results equal a reference buffer's, bit for bit."""
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda, ref = _buffers(world)
     config = Config(NUM_SMS)
     num_tokens, hidden, num_experts, topk = 96, 512, 4 * world, 2
@@ -397,7 +392,10 @@ def _fallback_worker(rank: int, world: int) -> int:
     topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
     per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk_idx, num_experts)
     kwargs = dict(
-        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
         topk_weights=topk_weights,
     )
     out_c = cuda.dispatch(x, config=config, **kwargs)

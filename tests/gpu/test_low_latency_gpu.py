@@ -21,21 +21,14 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
+from tests.gpu.common import WORLDS, require_extension, set_device
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-try:
-    import ep_dispatcher._C as _C
-except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
-if not _C.has_nvshmem():
-    pytest.skip("ep_dispatcher._C was built without NVSHMEM", allow_module_level=True)
+_C = require_extension(nvshmem=True)
 
 from ep_dispatcher import Buffer  # noqa: E402
 
-WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
 # (max_tokens, hidden, experts per rank, top-k): the decode shape, a small one, and a hidden that is a multiple
 # of 128 but not of 256 (the FP8 cast's second half-warp idles) nor of 512 (no UE8M0).
 SHAPES = [(128, 7168, None, 8), (32, 2048, 4, 4), (16, 640, 3, 3)]
@@ -65,7 +58,7 @@ def _num_experts(world: int, per_rank) -> int:
 
 def _buffers(world: int, allow_nvlink: bool = True, shapes=SHAPES):
     _env()
-    torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+    set_device(torch.distributed.get_rank())
     size = max(Buffer.get_low_latency_rdma_size_hint(t, h, world, _num_experts(world, e)) for t, h, e, _ in shapes)
     cuda = Buffer(
         None,
@@ -156,7 +149,12 @@ def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
                 _log(tag, "hooked" if hooked else "one-shot")
                 poison_allocator(POISON_BYTES, device)
                 out_c = cuda.low_latency_dispatch(
-                    x, topk_idx, max_tokens, E, return_recv_hook=hooked, cumulative_local_expert_recv_stats=stats_c,
+                    x,
+                    topk_idx,
+                    max_tokens,
+                    E,
+                    return_recv_hook=hooked,
+                    cumulative_local_expert_recv_stats=stats_c,
                     **mode,
                 )
                 if hooked:
@@ -176,7 +174,13 @@ def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
                     x_c.copy_(y)
                 out = torch.full((x.size(0), hidden), float("nan"), dtype=torch.bfloat16, device=device)
                 comb_c, event, hook = cuda.low_latency_combine(
-                    x_c, topk_idx, topk_weights, out_c[2], zero_copy=zero_copy, return_recv_hook=not hooked, out=out,
+                    x_c,
+                    topk_idx,
+                    topk_weights,
+                    out_c[2],
+                    zero_copy=zero_copy,
+                    return_recv_hook=not hooked,
+                    out=out,
                     async_finish=hooked,
                 )
                 if not hooked:
@@ -283,7 +287,7 @@ def _stress_worker(rank: int, world: int, iterations: int) -> list:
             cuda.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False, return_recv_hook=True)
             for x, idx, _ in inputs
         ]
-        for j in ((0, 1) if it % 2 else (1, 0)):
+        for j in (0, 1) if it % 2 else (1, 0):
             outs[j][4]()
         for j, (x, idx, _) in enumerate(inputs):
             ref_out = ref.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=False)
@@ -340,11 +344,14 @@ def _wait_stats_worker(rank: int, world: int) -> list:
                 errors.append(f"rank {rank} {tag}: {name} stats decreased {before.tolist()} -> {now.tolist()}")
             if name in grew:
                 if not (now > before).all():
-                    errors.append(f"rank {rank} {tag}: {name} stats did not grow for every source {before.tolist()} -> "
-                                  f"{now.tolist()}")
+                    errors.append(
+                        f"rank {rank} {tag}: {name} stats did not grow for every source {before.tolist()} -> "
+                        f"{now.tolist()}"
+                    )
                 if ((now - before) > MAX_CYCLES_PER_WAIT * per_rank * 8).any():
-                    errors.append(f"rank {rank} {tag}: {name} stats grew implausibly {before.tolist()} -> "
-                                  f"{now.tolist()}")
+                    errors.append(
+                        f"rank {rank} {tag}: {name} stats grew implausibly {before.tolist()} -> {now.tolist()}"
+                    )
             elif not torch.equal(now, before):
                 errors.append(f"rank {rank} {tag}: {name} stats changed {before.tolist()} -> {now.tolist()}")
             history[name].append(now)
@@ -352,15 +359,17 @@ def _wait_stats_worker(rank: int, world: int) -> list:
     def step(x, idx, w, hooked: bool, with_stats: bool, tag: str, compare: bool = True):
         d_stats = stats["d"] if with_stats else None
         c_stats = stats["c"] if with_stats else None
-        out_c = cuda.low_latency_dispatch(x, idx, max_tokens, E, dispatch_wait_recv_cost_stats=d_stats,
-                                          return_recv_hook=hooked, use_fp8=False)
+        out_c = cuda.low_latency_dispatch(
+            x, idx, max_tokens, E, dispatch_wait_recv_cost_stats=d_stats, return_recv_hook=hooked, use_fp8=False
+        )
         if hooked:
             check(f"{tag} after the dispatch send phase", ())  # only the receive kernel adds
             out_c[4]()
         check(f"{tag} after the dispatch receive", ("d",) if with_stats else ())
         y = _expert_outputs(3, rank, (E // world, world * max_tokens, hidden), device)
-        comb_c, _, hook = cuda.low_latency_combine(y, idx, w, out_c[2], return_recv_hook=hooked,
-                                                   combine_wait_recv_cost_stats=c_stats)
+        comb_c, _, hook = cuda.low_latency_combine(
+            y, idx, w, out_c[2], return_recv_hook=hooked, combine_wait_recv_cost_stats=c_stats
+        )
         if hooked:
             check(f"{tag} after the combine send phase", ())
             hook()
@@ -389,8 +398,9 @@ def _wait_stats_worker(rank: int, world: int) -> list:
             x, idx, max_tokens, E, use_fp8=False, return_recv_hook=True, dispatch_wait_recv_cost_stats=stats["d"]
         )
         hook()
-        out, _, hook = cuda.low_latency_combine(y, idx, w, handle, return_recv_hook=True,
-                                                combine_wait_recv_cost_stats=stats["c"])
+        out, _, hook = cuda.low_latency_combine(
+            y, idx, w, handle, return_recv_hook=True, combine_wait_recv_cost_stats=stats["c"]
+        )
         hook()
         return out
 

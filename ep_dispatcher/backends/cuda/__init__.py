@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ... import _C
 from ...expert_major import permute_rows, to_expert_major, unpermute_sum
 from ...handles import DispatchHandle, LowLatencyHandle
+from ..base import DispatchArgs, LowLatencyDispatchArgs
 from ..reference import ReferenceBackend
 from .common import COMBINE_DTYPES, reference_view
 from .internode import (
@@ -189,31 +190,9 @@ class CudaBackend:
         return engine.get_dispatch_layout(topk_idx, num_experts)
 
     # ------------------------------------------------------------------ high-throughput dispatch / combine
-    def dispatch(
-        self,
-        x,
-        x_scales,
-        is_token_in_rank,
-        num_tokens_per_rank,
-        topk_idx,
-        topk_weights,
-        num_experts,
-        expert_alignment,
-        num_worst_tokens,
-        buffer_id,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
-        engine = self._route("dispatch", x.device)
-        if engine is None:
-            return self.reference.dispatch(
-                x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts,
-                expert_alignment, num_worst_tokens, buffer_id, num_tokens_per_expert=num_tokens_per_expert,
-            )
-        return engine.dispatch(
-            x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts, expert_alignment,
-            num_worst_tokens, buffer_id, config=config, num_tokens_per_expert=num_tokens_per_expert,
-        )
+    def dispatch(self, args: DispatchArgs):
+        engine = self._route("dispatch", args.x.device)
+        return (self.reference if engine is None else engine).dispatch(args)
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         engine = self._route("cached_dispatch", x.device, handle=handle)
@@ -235,25 +214,8 @@ class CudaBackend:
     # calls in ``_engines()`` yet, so ``engine_calls()`` does not list them: a fused intranode kernel (rows written
     # straight into expert-major slots: aligned expert base + earlier source ranks' counts for the expert + the
     # token's position among this source's tokens for it) is routed here once it exists.
-    def dispatch_expert_major(
-        self,
-        x,
-        x_scales,
-        is_token_in_rank,
-        num_tokens_per_rank,
-        topk_idx,
-        topk_weights,
-        num_experts,
-        expert_alignment,
-        buffer_id,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
-        result = self.dispatch(
-            x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts, expert_alignment,
-            0, buffer_id, config=config, num_tokens_per_expert=num_tokens_per_expert,
-        )
-        return to_expert_major(result, num_experts // self.num_ranks, expert_alignment)
+    def dispatch_expert_major(self, args: DispatchArgs):
+        return to_expert_major(self.dispatch(args), args.num_experts // self.num_ranks, args.expert_alignment)
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
         recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
@@ -268,30 +230,9 @@ class CudaBackend:
         cleared), or None; codes in ``validation.low_latency_topk_error``."""
         return None if self.low_latency is None else self.low_latency.take_error()
 
-    def low_latency_dispatch(
-        self,
-        x,
-        topk_idx,
-        num_max_dispatch_tokens_per_rank,
-        num_experts,
-        use_fp8,
-        round_scale,
-        use_ue8m0,
-        buffer_id,
-        half=0,
-        cumulative_stats=None,
-        wait_stats=None,
-    ):
-        engine = self._route("low_latency_dispatch", x.device)
-        if engine is None:
-            return self.reference.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, buffer_id,
-                half=half, cumulative_stats=cumulative_stats, wait_stats=wait_stats,
-            )
-        return engine.dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, buffer_id,
-            half=half, cumulative_stats=cumulative_stats, wait_stats=wait_stats,
-        )
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
+        engine = self._route("low_latency_dispatch", args.x.device)
+        return (self.reference if engine is None else engine).low_latency_dispatch(args)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0, wait_stats=None):
         engine = self._route("low_latency_combine", x.device, handle=handle)

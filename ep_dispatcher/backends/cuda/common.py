@@ -9,6 +9,7 @@ import torch
 
 from ...config import Config
 from ...handles import DispatchHandle
+from ..base import DispatchArgs
 from ..reference import ReferenceDispatchState
 
 COMBINE_DTYPES = (torch.bfloat16, torch.float32)  # dtypes the combine kernels sum
@@ -22,34 +23,30 @@ def kernel_num_sms(config: Optional[Config]) -> int:
 
 
 def engine_dispatch_handle(
-    buffer_id: int,
+    args: DispatchArgs,
     rank: int,
-    num_ranks: int,
     num_ranks_per_node: int,
     count_matrix: torch.Tensor,
     recv_src_idx: torch.Tensor,
-    is_token_in_rank: torch.Tensor,
     rows_out: int,
     per_expert: Optional[torch.Tensor],
-    num_worst_tokens: int,
-    expert_alignment: int,
     state: Any,
     rank_prefix_matrix: Optional[torch.Tensor] = None,
 ) -> DispatchHandle:
-    """The handle of a dispatch an engine ran; ``state`` (a frozen dataclass of the engine) is what its cached
-    dispatch and combine reuse."""
+    """The handle of the dispatch ``args`` an engine ran; ``state`` (a frozen dataclass of the engine) is what its
+    cached dispatch and combine reuse."""
     if rank_prefix_matrix is None:
         rank_prefix_matrix = torch.cumsum(count_matrix, dim=0, dtype=torch.int32)
     return DispatchHandle(
-        buffer_id=buffer_id,
-        num_ranks=num_ranks,
+        buffer_id=args.buffer_id,
+        num_ranks=count_matrix.size(0),
         rank_prefix_matrix=rank_prefix_matrix,
         recv_src_idx=recv_src_idx,
-        is_token_in_rank=is_token_in_rank,
-        num_recv_tokens=rows_out if num_worst_tokens == 0 else -1,
+        is_token_in_rank=args.is_token_in_rank,
+        num_recv_tokens=rows_out if args.num_worst_tokens == 0 else -1,
         num_recv_tokens_per_expert=per_expert,
-        num_worst_tokens=num_worst_tokens,
-        expert_alignment=expert_alignment,
+        num_worst_tokens=args.num_worst_tokens,
+        expert_alignment=args.expert_alignment,
         backend_state=state,
         rank=rank,
         num_ranks_per_node=num_ranks_per_node,

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from ... import _C, settings
 from ...config import Config
 from ...handles import DispatchHandle
+from ...validation import tokens_per_rank_mismatch
+from ..base import DispatchArgs
 from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 from .nvshmem import init_nvshmem, release_nvshmem
 
@@ -48,7 +50,7 @@ def internode_engine_enabled() -> bool:
 
 def internode_hidden_bytes(x: torch.Tensor) -> int:
     """Bytes of one row of ``x`` as the internode buffer layout counts them (``hidden * max(element_size, 2)``, as
-    ``InternodeBuffer.max_tokens`` in csrc/internode_bindings.cpp)."""
+    ``_C.internode_layout`` and ``InternodeBuffer.max_tokens``)."""
     return x.size(1) * max(x.element_size(), 2)
 
 
@@ -78,7 +80,12 @@ class InternodeEngine:
     combine_dtypes = COMBINE_DTYPES
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, num_rdma_bytes: int,
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        num_ranks: int,
+        num_ranks_per_node: int,
+        num_rdma_bytes: int,
         timeout_ns: int,
     ):
         if num_ranks > _C.INTERNODE_MAX_RANKS:
@@ -99,6 +106,7 @@ class InternodeEngine:
         )
         self.nvshmem_bytes = num_rdma_bytes
         self._capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
+        self._pending_counts: Optional[torch.Tensor] = None  # see _counts_check
 
     def made(self, state: object) -> bool:
         """Whether a handle with this ``backend_state`` came from this engine."""
@@ -110,43 +118,39 @@ class InternodeEngine:
         release_nvshmem(self.nvshmem_bytes)
         self.nvshmem_bytes = 0
 
-    def dispatch(
-        self,
-        x,
-        x_scales,
-        is_token_in_rank,
-        num_tokens_per_rank,
-        topk_idx,
-        topk_weights,
-        num_experts,
-        expert_alignment,
-        num_worst_tokens,
-        buffer_id,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
+    def dispatch(self, args: DispatchArgs):
         """Two-leg dispatch (RDMA to the same local index on each node, then NVLink); see csrc/kernels/internode.cuh.
 
-        The per-rank and per-node counts are recomputed here from ``is_token_in_rank`` (device ops, no host sync), so
-        the kernels cannot be handed counts that disagree with the routing (``num_tokens_per_rank`` is not read).
+        The kernels take the per-rank and per-node counts computed here from ``is_token_in_rank`` (device ops, no
+        host sync). ``num_tokens_per_rank`` is compared with them on the device; the comparison reaches the host in
+        the copy the host already makes of the count matrix, after the data kernels are launched (the peers' kernels
+        wait for this rank's rows), and a mismatch raises ``ValueError`` on this rank. With ``num_worst_tokens``
+        nothing waits: a mismatch is kept on the device and raised by the next dispatch that waits for the counts.
         """
-        num_sms = kernel_num_sms(config)
+        x, num_worst_tokens, num_experts = args.x, args.num_worst_tokens, args.num_experts
         send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
-            is_token_in_rank, self.num_ranks_per_node
+            args.is_token_in_rank, self.num_ranks_per_node
         )
+        counts_check = self._counts_check(per_rank_counts, args.num_tokens_per_rank)
         hidden_bytes = internode_hidden_bytes(x)
         if num_worst_tokens > 0:
             self._check_tokens(hidden_bytes, x.size(0), everywhere=False)  # no host sync in this mode
         count_matrix, node_count, tokens_of, per_expert = self.buffer.notify(
-            per_rank_counts, per_node_counts, x.size(0), num_tokens_per_expert, num_experts or 0, expert_alignment
+            per_rank_counts,
+            per_node_counts,
+            x.size(0),
+            args.num_tokens_per_expert,
+            num_experts or 0,
+            args.expert_alignment,
         )
-        count_matrix_host = tokens_of_host = None
+        count_matrix_host = tokens_of_host = counts_check_host = None
         per_expert_list: List[int] = []
         if num_worst_tokens == 0:
             # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
-            host = torch.cat([count_matrix.view(-1), tokens_of]).cpu()
+            host = torch.cat([count_matrix.view(-1), tokens_of, counts_check]).cpu()
             count_matrix_host = host[: self.num_ranks**2].view(self.num_ranks, self.num_ranks)
-            tokens_of_host = host[self.num_ranks**2 :]
+            tokens_of_host = host[self.num_ranks**2 : self.num_ranks**2 + self.num_ranks]
+            counts_check_host = host[self.num_ranks**2 + self.num_ranks :]
             self._check_tokens(hidden_bytes, int(tokens_of_host.max()), everywhere=True)
             rows_out = int(count_matrix_host[:, self.rank].sum())
             if per_expert is not None:
@@ -154,18 +158,54 @@ class InternodeEngine:
         else:
             rows_out = num_worst_tokens
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, fwd_pos = self.buffer.dispatch(
-            x, x_scales, topk_idx, topk_weights, (num_experts or self.num_ranks) // self.num_ranks, send_pos,
-            rdma_send_pos, count_matrix, node_count, rows_out, hidden_bytes, num_sms, False,
+            x,
+            args.x_scales,
+            args.topk_idx,
+            args.topk_weights,
+            (num_experts or self.num_ranks) // self.num_ranks,
+            send_pos,
+            rdma_send_pos,
+            count_matrix,
+            node_count,
+            rows_out,
+            hidden_bytes,
+            kernel_num_sms(args.config),
+            False,
         )
+        if counts_check_host is not None:
+            self._raise_counts_mismatch(counts_check_host)
         state = InternodeState(
-            count_matrix=count_matrix, count_matrix_host=count_matrix_host, node_count=node_count, send_pos=send_pos,
-            rdma_send_pos=rdma_send_pos, fwd_pos=fwd_pos, tokens_of_host=tokens_of_host,
+            count_matrix=count_matrix,
+            count_matrix_host=count_matrix_host,
+            node_count=node_count,
+            send_pos=send_pos,
+            rdma_send_pos=rdma_send_pos,
+            fwd_pos=fwd_pos,
+            tokens_of_host=tokens_of_host,
         )
         handle = engine_dispatch_handle(
-            buffer_id, self.rank, self.num_ranks, self.num_ranks_per_node, count_matrix, recv_src_idx,
-            is_token_in_rank, rows_out, per_expert, num_worst_tokens, expert_alignment, state,
+            args, self.rank, self.num_ranks_per_node, count_matrix, recv_src_idx, rows_out, per_expert, state
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def _counts_check(self, counts: torch.Tensor, num_tokens_per_rank: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[2 * num_ranks] int32`` on the device: (the counts ``is_token_in_rank`` gives, ``num_tokens_per_rank``)
+        of the first call whose two disagree since the host last looked, else of this call. Device ops only: the
+        record lives in one persistent tensor (CUDA-graph safe), read by the next host wait."""
+        if num_tokens_per_rank is None:
+            num_tokens_per_rank = counts
+        if self._pending_counts is None:
+            self._pending_counts = torch.zeros(2 * self.num_ranks, dtype=torch.int32, device=counts.device)
+        pending = self._pending_counts
+        earlier_bad = (pending[: self.num_ranks] != pending[self.num_ranks :]).any()
+        pending.copy_(torch.where(earlier_bad, pending, torch.cat([counts, num_tokens_per_rank])))
+        return pending
+
+    def _raise_counts_mismatch(self, counts_check_host: torch.Tensor) -> None:
+        error = tokens_per_rank_mismatch(counts_check_host[: self.num_ranks], counts_check_host[self.num_ranks :])
+        if error is not None:
+            self._pending_counts.zero_()  # reported: the next call starts clean
+            raise error
 
     def _check_tokens(self, hidden_bytes: int, num_tokens: int, everywhere: bool) -> None:
         """Raise if ``num_tokens`` tokens per rank of ``hidden_bytes`` do not fit the NVSHMEM buffer.
@@ -203,8 +243,19 @@ class InternodeEngine:
         hidden_bytes = internode_hidden_bytes(x)
         self._check_handle(handle, hidden_bytes)
         recv_x, recv_scales, _, _, _, _ = self.buffer.dispatch(
-            x, x_scales, None, None, 1, state.send_pos, state.rdma_send_pos, state.count_matrix,
-            state.node_count, handle.num_recv_rows, hidden_bytes, num_sms, True,
+            x,
+            x_scales,
+            None,
+            None,
+            1,
+            state.send_pos,
+            state.rdma_send_pos,
+            state.count_matrix,
+            state.node_count,
+            handle.num_recv_rows,
+            hidden_bytes,
+            num_sms,
+            True,
         )
         return recv_x, recv_scales
 
@@ -215,7 +266,15 @@ class InternodeEngine:
         bias1 = bias[1].contiguous() if len(bias) > 1 else None
         self._check_handle(handle, internode_hidden_bytes(x))
         return self.buffer.combine(
-            x.contiguous(), None if topk_weights is None else topk_weights.contiguous(), bias0, bias1,
-            state.rdma_send_pos, state.count_matrix, state.node_count, state.fwd_pos, handle.num_tokens,
-            internode_hidden_bytes(x), num_sms,
+            x.contiguous(),
+            None if topk_weights is None else topk_weights.contiguous(),
+            bias0,
+            bias1,
+            state.rdma_send_pos,
+            state.count_matrix,
+            state.node_count,
+            state.fwd_pos,
+            handle.num_tokens,
+            internode_hidden_bytes(x),
+            num_sms,
         )

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ... import _C
 from ...handles import DispatchHandle
+from ..base import DispatchArgs
 from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 
 
@@ -41,7 +42,12 @@ class IntranodeEngine:
     combine_dtypes = COMBINE_DTYPES
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_ranks_per_node: int, num_bytes: int,
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        num_ranks: int,
+        num_ranks_per_node: int,
+        num_bytes: int,
         timeout_ns: int,
     ):
         if num_ranks > _C.INTRANODE_MAX_RANKS:
@@ -83,21 +89,7 @@ class IntranodeEngine:
         self.ipc.destroy()
         self.ipc = None
 
-    def dispatch(
-        self,
-        x,
-        x_scales,
-        is_token_in_rank,
-        num_tokens_per_rank,
-        topk_idx,
-        topk_weights,
-        num_experts,
-        expert_alignment,
-        num_worst_tokens,
-        buffer_id,
-        config=None,
-        num_tokens_per_expert=None,
-    ):
+    def dispatch(self, args: DispatchArgs):
         # One C++ entry: send positions and content checks on the device, the count exchange, the host's wait for the
         # counts (host-mapped memory, no stream sync; none with num_worst_tokens), the data kernels.
         # A call whose rows do not fit in some rank's empty pool, or do not fit next to the live outputs while the
@@ -105,8 +97,18 @@ class IntranodeEngine:
         # counts, same smallest pool): the pools grow together and the call runs again (once: the grown pool holds it).
         def run():
             return _C.intranode_dispatch_fresh(
-                self.ipc, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
-                num_tokens_per_expert, num_experts or 0, expert_alignment, num_worst_tokens, kernel_num_sms(config),
+                self.ipc,
+                args.x,
+                args.x_scales,
+                args.topk_idx,
+                args.topk_weights,
+                args.is_token_in_rank,
+                args.num_tokens_per_rank,
+                args.num_tokens_per_expert,
+                args.num_experts or 0,
+                args.expert_alignment,
+                args.num_worst_tokens,
+                kernel_num_sms(args.config),
                 self.timeout_ns,
             )
 
@@ -117,17 +119,38 @@ class IntranodeEngine:
         if outputs[-1] > 0:  # never expected: the outputs of a call that did not run must not be returned
             raise RuntimeError(f"intranode dispatch: {outputs[-1]} receive-pool bytes needed after growing the pool")
         (
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-            send_pos, count_matrix, rank_prefix_matrix, per_expert, count_matrix_host, per_expert_list, rows_out,
-            sent_rows, most_sent, _,
+            recv_x,
+            recv_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            send_pos,
+            count_matrix,
+            rank_prefix_matrix,
+            per_expert,
+            count_matrix_host,
+            per_expert_list,
+            rows_out,
+            sent_rows,
+            most_sent,
+            _,
         ) = outputs
         state = IntranodeState(
-            count_matrix=count_matrix, count_matrix_host=count_matrix_host, send_pos=send_pos, sent_rows=sent_rows,
+            count_matrix=count_matrix,
+            count_matrix_host=count_matrix_host,
+            send_pos=send_pos,
+            sent_rows=sent_rows,
             most_sent=most_sent,
         )
         handle = engine_dispatch_handle(
-            buffer_id, self.rank, self.num_ranks, self.num_ranks_per_node, count_matrix, recv_src_idx,
-            is_token_in_rank, rows_out, per_expert, num_worst_tokens, expert_alignment, state,
+            args,
+            self.rank,
+            self.num_ranks_per_node,
+            count_matrix,
+            recv_src_idx,
+            rows_out,
+            per_expert,
+            state,
             rank_prefix_matrix=rank_prefix_matrix,
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle

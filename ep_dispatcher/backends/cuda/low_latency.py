@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ... import _C, settings
 from ...handles import LowLatencyHandle
+from ..base import LowLatencyDispatchArgs
 from .nvshmem import init_nvshmem, release_nvshmem
 
 
@@ -50,7 +51,12 @@ class LowLatencyEngine:
     """This rank's NVSHMEM low-latency buffer (``_C.LowLatencyBuffer``) and the calls that run on it."""
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int, allow_nvlink: bool,
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        num_ranks: int,
+        num_rdma_bytes: int,
+        allow_nvlink: bool,
         timeout_ns: int,
     ):
         self.group = group
@@ -79,29 +85,18 @@ class LowLatencyEngine:
         cleared), or None; codes in ``validation.low_latency_topk_error``."""
         return self.buffer.take_error()
 
-    def dispatch(
-        self,
-        x,
-        topk_idx,
-        num_max_dispatch_tokens_per_rank,
-        num_experts,
-        use_fp8,
-        round_scale,
-        use_ue8m0,
-        buffer_id,
-        half=0,
-        cumulative_stats=None,
-        wait_stats=None,
-    ):
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
+        """The send phase now; returns ``(handle, receive)``, ``receive`` runs the receive phase (the hook)."""
+        x, topk_idx, half, num_experts = args.x, args.topk_idx, args.half, args.num_experts
         num_tokens, hidden = x.shape
-        max_tokens = num_max_dispatch_tokens_per_rank
+        max_tokens = args.num_max_dispatch_tokens_per_rank
         # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
         # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
         send_slot, src_info, layout_range = self.buffer.dispatch_send(
-            half, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale
+            half, x, topk_idx, max_tokens, num_experts, args.use_fp8, args.round_scale
         )
         handle = LowLatencyHandle(
-            buffer_id=buffer_id,
+            buffer_id=args.buffer_id,
             src_info=src_info,
             layout_range=layout_range,
             num_max_dispatch_tokens_per_rank=max_tokens,
@@ -117,8 +112,19 @@ class LowLatencyEngine:
             # wait_stats: the receive kernel adds the clock64 cycles it spun per source rank (no extra kernel).
             storage = None if recv_scales is None else recv_scales.transpose(1, 2)
             self.buffer.dispatch_recv(
-                half, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, storage, src_info, layout_range,
-                recv_count, cumulative_stats, wait_stats,
+                half,
+                max_tokens,
+                num_experts,
+                hidden,
+                args.use_fp8,
+                args.use_ue8m0,
+                recv_x,
+                storage,
+                src_info,
+                layout_range,
+                recv_count,
+                args.cumulative_stats,
+                args.wait_stats,
             )
 
         return handle, receive
@@ -130,7 +136,14 @@ class LowLatencyEngine:
 
         def receive(out: torch.Tensor) -> None:
             self.buffer.combine_recv(
-                half, topk_idx, topk_weights, state.send_slot, max_tokens, num_experts, out, self.buffer.max_blocks,
+                half,
+                topk_idx,
+                topk_weights,
+                state.send_slot,
+                max_tokens,
+                num_experts,
+                out,
+                self.buffer.max_blocks,
                 wait_stats,
             )
 

@@ -13,14 +13,18 @@ import torch.distributed as _ep_dist
 
 
 def init_dist(local_rank: int, num_local_ranks: int):
-    ip = os.getenv('MASTER_ADDR', '127.0.0.1')
-    port = int(os.getenv('MASTER_PORT', '8361'))
-    num_nodes = int(os.getenv('WORLD_SIZE', 1))
-    node_rank = int(os.getenv('RANK', 0))
-    _ep_dist.init_process_group(backend='gloo', init_method=f'tcp://{ip}:{port}',
-                                world_size=num_nodes * num_local_ranks, rank=node_rank * num_local_ranks + local_rank)
+    ip = os.getenv("MASTER_ADDR", "127.0.0.1")
+    port = int(os.getenv("MASTER_PORT", "8361"))
+    num_nodes = int(os.getenv("WORLD_SIZE", 1))
+    node_rank = int(os.getenv("RANK", 0))
+    _ep_dist.init_process_group(
+        backend="gloo",
+        init_method=f"tcp://{ip}:{port}",
+        world_size=num_nodes * num_local_ranks,
+        rank=node_rank * num_local_ranks + local_rank,
+    )
     torch.set_default_dtype(torch.bfloat16)
-    torch.set_default_device('cuda')
+    torch.set_default_device("cuda")
     torch.cuda.set_device(0)
     return _ep_dist.get_rank(), _ep_dist.get_world_size(), _ep_dist.new_group(list(range(num_local_ranks * num_nodes)))
 
@@ -34,7 +38,7 @@ def _ep_host_staged(collective, tensor_args):
         originals = {i: args[i] for i in cuda}
         for i in cuda:
             args[i] = [t.cpu() for t in args[i]] if isinstance(args[i], list) else args[i].cpu()
-        kwargs.pop('async_op', None)
+        kwargs.pop("async_op", None)
         collective(*args, **kwargs)
         for i, original in originals.items():  # copy results back (outputs and in-place inputs)
             if isinstance(original, list):
@@ -43,6 +47,7 @@ def _ep_host_staged(collective, tensor_args):
             else:
                 original.copy_(args[i])
         return None
+
     return staged
 
 
@@ -59,7 +64,7 @@ def _ep_all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op
     # gloo's all_gather_into_tensor wants a flat [world * n, ...] output; DeepEP's test passes [world, n, k]. The
     # same result through a list all-gather on the host.
     world = _ep_dist.get_world_size(group)
-    parts = [torch.empty(input_tensor.shape, dtype=input_tensor.dtype, device='cpu') for _ in range(world)]
+    parts = [torch.empty(input_tensor.shape, dtype=input_tensor.dtype, device="cpu") for _ in range(world)]
     _ep_all_gather(parts, input_tensor.cpu(), group=group)
     output_tensor.copy_(torch.stack(parts).view(output_tensor.shape))
     return None
@@ -70,8 +75,15 @@ _ep_dist.all_gather = _ep_host_staged(_ep_dist.all_gather, (0, 1))
 _ep_dist.all_gather_into_tensor = _ep_all_gather_into_tensor
 
 
-def bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False,
-                 trace_path=None, barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
+def bench_kineto(
+    fn,
+    kernel_names,
+    num_tests: int = 30,
+    suppress_kineto_output: bool = False,
+    trace_path=None,
+    barrier_comm_profiling: bool = False,
+    num_kernels_per_period: int = 1,
+):
     assert isinstance(kernel_names, (str, tuple))
     fn()  # warm-up
     torch.cuda.synchronize()
@@ -85,6 +97,8 @@ def bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: 
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1e3 / num_tests
     names = (kernel_names,) if isinstance(kernel_names, str) else kernel_names
-    per_name = [seconds if num_kernels_per_period == 1 else [seconds / num_kernels_per_period] * num_kernels_per_period
-                for _ in names]
+    per_name = [
+        seconds if num_kernels_per_period == 1 else [seconds / num_kernels_per_period] * num_kernels_per_period
+        for _ in names
+    ]
     return per_name if isinstance(kernel_names, tuple) else per_name[0]
