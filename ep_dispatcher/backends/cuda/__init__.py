@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ... import _C
+from ... import _C, settings
 from ...expert_major import permute_rows, to_expert_major, unpermute_sum
 from ...handles import DispatchHandle, LowLatencyHandle
 from ..reference import ReferenceBackend
@@ -127,11 +127,17 @@ class CudaBackend:
     def _engines(self) -> Dict[str, Optional[_Engine]]:
         """Which engine serves each call when its tensors are on the GPU (None: no engine, the reference serves it)."""
         high_throughput = self.internode if self.internode is not None else self.intranode
+        # The fused expert-major kernels exist on the intranode engine only, behind EP_DISPATCHER_FUSED_EXPERT_MAJOR
+        # (settings.py); the expert-major combine is always the fallback composition (engine combine after a device
+        # un-permute), so it is not an engine call.
+        fused = self.intranode if self.internode is None and settings.fused_expert_major() else None
         return {
             "get_dispatch_layout": self.layout,
             "dispatch": high_throughput,
             "cached_dispatch": high_throughput,
             "combine": high_throughput,
+            "dispatch_expert_major": fused,
+            "cached_dispatch_expert_major": fused,
             "low_latency_dispatch": self.low_latency,
             "low_latency_combine": self.low_latency,
         }
@@ -228,13 +234,13 @@ class CudaBackend:
         return engine.combine(x, handle, topk_weights, bias, config)
 
     # ------------------------------------------------------------------ expert-major dispatch / combine (fused permute)
-    # FALLBACK, NOT FUSED YET (issue 21, docs/fused_permute.md): the routed dispatch / cached dispatch / combine above
-    # (engine or reference, as ``_route`` decides) plus a device gather (permute) and a fixed-order device sum
-    # (un-permute) from ep_dispatcher/expert_major.py, i.e. the reference composition on the engine's outputs:
-    # bit-identical to the specification, but the permute pass still happens inside the call. No engine serves these
-    # calls in ``_engines()`` yet, so ``engine_calls()`` does not list them: a fused intranode kernel (rows written
-    # straight into expert-major slots: aligned expert base + earlier source ranks' counts for the expert + the
-    # token's position among this source's tokens for it) is routed here once it exists.
+    # Dispatch and cached dispatch: the fused intranode kernel (rows written straight into expert-major slots: aligned
+    # expert base + earlier source ranks' pairs for the expert + the pair's position among this source's pairs for it)
+    # when ``_route`` gives the engine (EP_DISPATCHER_FUSED_EXPERT_MAJOR=1, intranode buffer, GPU tensors; a cached call
+    # also needs a handle the fused dispatch made). Otherwise, and for combine always, the FALLBACK: the routed
+    # dispatch / cached dispatch / combine above (engine or reference) plus a device gather (permute) and a fixed-order
+    # device sum (un-permute) from ep_dispatcher/expert_major.py, i.e. the reference composition on the engine's
+    # outputs: bit-identical to the specification, but the permute pass still happens inside the call.
     def dispatch_expert_major(
         self,
         x,
@@ -249,6 +255,12 @@ class CudaBackend:
         config=None,
         num_tokens_per_expert=None,
     ):
+        engine = self._route("dispatch_expert_major", x.device)
+        if engine is not None:
+            return engine.dispatch_expert_major(
+                x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts,
+                expert_alignment, buffer_id, config=config,
+            )
         result = self.dispatch(
             x, x_scales, is_token_in_rank, num_tokens_per_rank, topk_idx, topk_weights, num_experts, expert_alignment,
             0, buffer_id, config=config, num_tokens_per_expert=num_tokens_per_expert,
@@ -256,6 +268,9 @@ class CudaBackend:
         return to_expert_major(result, num_experts // self.num_ranks, expert_alignment)
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
+        engine = self._route("cached_dispatch_expert_major", x.device, handle=handle)
+        if engine is not None and getattr(handle.backend_state, "expert_pairs", None) is not None:
+            return engine.cached_dispatch_expert_major(x, x_scales, handle, config=config)
         recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
         return permute_rows(recv, handle.expert_major), permute_rows(recv_scales, handle.expert_major)
 
