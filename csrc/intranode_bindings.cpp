@@ -334,7 +334,7 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
 }
 
 // ------------------------------------------------------------------ expert-major dispatch (fused permute)
-using ExpertMajorOutputs = std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor,  // recv x/scales (expert-major), topk/weights/src
+using ExpertMajorOutputs = std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor,  // x/scales (expert-major), topk/weights/src
                                       OptTensor, OptTensor,                                 // row map [rows, k], row pair [M] (int64)
                                       at::Tensor, at::Tensor, at::Tensor, at::Tensor,       // send_pos, pairs [2, N, k], counts, prefix
                                       at::Tensor, at::Tensor,                               // per expert (aligned) [L], expert table
@@ -360,8 +360,8 @@ ExpertMajorOutputs dispatch_expert_major_fresh(IpcBuffer& buffer, const at::Tens
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int R = buffer.num_ranks(), rank = buffer.rank();
-    TORCH_CHECK_VALUE(num_experts > 0 && num_experts % R == 0 && num_experts <= intranode::kMaxExperts, "num_experts: expected a multiple of ",
-                      R, " up to ", intranode::kMaxExperts, ", got ", num_experts);
+    TORCH_CHECK_VALUE(num_experts > 0 && num_experts % R == 0 && num_experts <= intranode::kMaxExperts,
+                      "num_experts: expected a multiple of ", R, " up to ", intranode::kMaxExperts, ", got ", num_experts);
     TORCH_CHECK_VALUE(expert_alignment >= 1, "expert_alignment: expected >= 1, got ", expert_alignment);
     TORCH_CHECK_VALUE(num_topk >= 1, "topk_idx: expected at least one column");
     const int E = static_cast<int>(num_experts), L = E / R;
@@ -392,9 +392,9 @@ ExpertMajorOutputs dispatch_expert_major_fresh(IpcBuffer& buffer, const at::Tens
     const int tag = buffer.next_report_tag();
     RecvPool& pool = buffer.pool();
     intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(), expert_counts.data_ptr<int>(), E,
-                      static_cast<int>(expert_alignment), pool.capacity(), -1, 0, -1, x_row, scale_row, num_topk, count_matrix.data_ptr<int>(),
-                      rank_prefix_matrix.data_ptr<int>(), per_expert.data_ptr<int>(), nullptr, nullptr, buffer.report_on_device(), tag,
-                      timeout_ns, stream, expert_table.data_ptr<int>());
+                      static_cast<int>(expert_alignment), pool.capacity(), -1, 0, -1, x_row, scale_row, num_topk,
+                      count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(), per_expert.data_ptr<int>(), nullptr, nullptr,
+                      buffer.report_on_device(), tag, timeout_ns, stream, expert_table.data_ptr<int>());
     wait_for_report(buffer, tag, stream, timeout_ns);
     const intranode::CountReport& report = *buffer.report();
     // Ends the call on every path: past it every peer has read this call's counts and input error (cleared then).
@@ -408,14 +408,17 @@ ExpertMajorOutputs dispatch_expert_major_fresh(IpcBuffer& buffer, const at::Tens
     const HostCounts host = host_counts(report, R, rank);
     const int64_t num_rows = report.expert_rows[rank];
     int64_t most_needed = 0;
-    for (int d = 0; d < R; ++d)
-        most_needed = std::max(
-            most_needed, intranode::expert_major_receive_layout(host.recv_rows[d], report.expert_rows[d], x_row, scale_row, num_topk, true).end);
+    for (int d = 0; d < R; ++d) {
+        const int64_t rows = host.recv_rows[d], expert_rows = report.expert_rows[d];
+        const int64_t bytes = intranode::expert_major_receive_layout(rows, expert_rows, x_row, scale_row, num_topk, true).end;
+        most_needed = std::max(most_needed, bytes);
+    }
     std::vector<int64_t> per_expert_list(report.recv_per_expert, report.recv_per_expert + L);
     if (2 * most_needed > report.min_pool_bytes) {
         close();
-        return {std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, send_pos, pairs, count_matrix,
-                rank_prefix_matrix, per_expert, expert_table, std::nullopt, {}, -1, -1, 0, 0, most_needed};
+        return {std::nullopt, std::nullopt, std::nullopt,       std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                send_pos,     pairs,        count_matrix,       rank_prefix_matrix, per_expert, expert_table, std::nullopt,
+                {},           -1,           -1,                 0,            0,            most_needed};
     }
 
     // Room first: making it may move earlier outputs (this call's inputs among them) out of the pool, so the data
@@ -490,9 +493,11 @@ std::tuple<at::Tensor, OptTensor> dispatch_expert_major_cached(IpcBuffer& buffer
     if (scales) publish.value[intranode::kPubRecvScales] = block + layout.scales;
     publish.value[intranode::kPubRecvExpertRows] = num_rows;
     intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchReady, &publish, stream);
-    intranode::dispatch_expert_major(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row, nullptr,
-                                     nullptr, num_topk, L, nullptr, nullptr, nullptr, nullptr, const_cast<int*>(pairs.data_ptr<int>()),
-                                     static_cast<int>(x.size(0)), static_cast<int>(num_sms), stream);
+    // Cached: no top-k, no received-order fields; the kernel only reads the pair table (it writes it on a fresh call).
+    intranode::dispatch_expert_major(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
+                                     nullptr, nullptr, num_topk, L, nullptr, nullptr, nullptr, nullptr,
+                                     const_cast<int*>(pairs.data_ptr<int>()), static_cast<int>(x.size(0)), static_cast<int>(num_sms),
+                                     stream);
     intranode::expert_major_padding(per_expert.data_ptr<int>(), expert_table.data_ptr<int>() + 2 * E, L, recv_x.data_ptr(), x_row,
                                     recv_scales ? recv_scales->data_ptr() : nullptr, scale_row, nullptr, stream);
     intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream);

@@ -283,23 +283,9 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         __syncwarp();
 
         // Payload: read each 16-byte vector once, store it to every destination.
-        const char* x_row = x + static_cast<int64_t>(t) * x_row_bytes;
-        if ((x_row_bytes & 15) == 0) {
-            const int4* src = reinterpret_cast<const int4*>(x_row);
-            warp_copy_batched(
-                x_row_bytes / 16, lane, [&](int64_t i) { return __ldg(src + i); },
-                [&](int64_t i, const int4& v) {
-                    for (int j = 0; j < count; ++j) {
-                        char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                        reinterpret_cast<int4*>(dst)[i] = v;
-                    }
-                });
-        } else {
-            for (int j = 0; j < count; ++j) {
-                char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                warp_copy<CopySource::kReadOnly>(dst, x_row, x_row_bytes, lane);
-            }
-        }
+        warp_copy_to_each(
+            x + static_cast<int64_t>(t) * x_row_bytes, x_row_bytes, count,
+            [&](int j) { return dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes; }, lane);
         for (int j = 0; j < count; ++j) {
             const int d = dst_rank[warp][j];
             const int64_t row = dst_row[warp][j];
@@ -513,9 +499,9 @@ __global__ void __launch_bounds__(kScanThreads)
 // Sender side of an expert-major dispatch (see intranode.cuh): one warp per token; each top-k lane owns its pair.
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
     dispatch_expert_major_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales,
-                                 int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
-                                 const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const int* slot_base, int* pairs,
-                                 int num_tokens) {
+                                 int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk,
+                                 int num_local_experts, const bool* is_token_in_rank, const int* send_pos, const int* count_matrix,
+                                 const int* slot_base, int* pairs, int num_tokens) {
     const bool fresh = topk_idx != nullptr;
     __shared__ int base_in_dst[kMaxRanks];  // received-order rows (top-k ids, weights, source index, row map)
     __shared__ char* dst_x[kMaxRanks];      // expert-major rows (x, scales)
@@ -591,17 +577,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         __syncwarp();
 
         // Payload: read each 16-byte vector once, store it to every row of the token (one per local expert it picked).
-        const char* x_row = x + static_cast<int64_t>(t) * x_row_bytes;
-        if ((x_row_bytes & 15) == 0) {
-            const int4* src = reinterpret_cast<const int4*>(x_row);
-            warp_copy_batched(
-                x_row_bytes / 16, lane, [&](int64_t i) { return __ldg(src + i); },
-                [&](int64_t i, const int4& v) {
-                    for (int j = 0; j < count; ++j) reinterpret_cast<int4*>(pair_x[warp][j])[i] = v;
-                });
-        } else {
-            for (int j = 0; j < count; ++j) warp_copy<CopySource::kReadOnly>(pair_x[warp][j], x_row, x_row_bytes, lane);
-        }
+        warp_copy_to_each(x + static_cast<int64_t>(t) * x_row_bytes, x_row_bytes, count, [&](int j) { return pair_x[warp][j]; }, lane);
         if (scales != nullptr) {
             for (int j = 0; j < count; ++j)
                 warp_copy<CopySource::kReadOnly>(pair_scales[warp][j], scales + static_cast<int64_t>(t) * scale_row_bytes, scale_row_bytes,

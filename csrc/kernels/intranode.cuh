@@ -194,7 +194,9 @@ void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* 
             int64_t timeout_ns, cudaStream_t stream, int* expert_table = nullptr);
 
 // Ints of notify's expert_table.
-inline int64_t expert_table_ints(int num_experts, int num_local_experts) { return 2 * static_cast<int64_t>(num_experts) + num_local_experts; }
+inline int64_t expert_table_ints(int num_experts, int num_local_experts) {
+    return 2 * static_cast<int64_t>(num_experts) + num_local_experts;
+}
 
 // Expert-major dispatch, sender side, before notify: pairs[t * num_topk + k] = position of the pair (token t, slot k)
 // among this rank's pairs for expert topk_idx[t][k] (token order, then slot order), for pairs whose rank gets the token
