@@ -506,10 +506,13 @@ std::tuple<at::Tensor, OptTensor> dispatch_expert_major_cached(IpcBuffer& buffer
 
 // Combine: this rank takes a transient region of its pool for the rows coming back (sent_rows of them: the rows it
 // sent in the dispatch, or a bound of them), publishes it at a barrier, peers write the rows there, and it sums them.
+// With `row_map` (a fused expert-major dispatch's, [received rows, top-k] int64) x is [M, hidden] expert-major: every
+// rank pushes (no pull: the sources would have to read the row maps and sum twice), each row it sends is the sum of
+// the token's expert-major rows (fused un-permute), and its own rows go to its own region like a peer's.
 std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
                                           const OptTensor& bias1, const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
                                           const at::Tensor& count_matrix, int64_t num_tokens, int64_t sent_rows, int64_t num_sms,
-                                          int64_t timeout_ns) {
+                                          int64_t timeout_ns, const OptTensor& row_map) {
     TORCH_CHECK(buffer.is_open(), "intranode_combine: peers are not mapped");
     for (const auto& [t, name] : {std::pair{&x, "x"}, {&is_token_in_rank, "is_token_in_rank"}, {&send_pos, "send_pos"},
                                   {&count_matrix, "count_matrix"}})
@@ -525,6 +528,14 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) check_cuda(*topk_weights, "topk_weights", buffer);
     for (const auto* b : {&bias0, &bias1})
         if (b->has_value()) check_cuda(**b, "bias", buffer);
+    if (row_map) {
+        check_cuda(*row_map, "row_map", buffer);
+        TORCH_CHECK_VALUE(row_map->dim() == 2 && row_map->scalar_type() == at::kLong && row_map->size(1) <= kMaxTopk,
+                          "row_map: expected [num_recv_tokens, num_topk <= ", kMaxTopk, "] int64, got ", row_map->sizes(), " ",
+                          row_map->scalar_type());
+        TORCH_CHECK_VALUE(!topk_weights || topk_weights->size(0) == row_map->size(0), "topk_weights: expected ", row_map->size(0),
+                          " rows (received order), got ", topk_weights->size(0));
+    }
     const int capacity = intranode::combine_capacity(buffer.pool().capacity(), x_row, num_topk);
     TORCH_CHECK_VALUE(sent_rows <= capacity, "num_nvl_bytes: the buffer holds ", capacity,
                       " returned rows of this shape, this combine needs ", sent_rows, "; create the Buffer with more num_nvl_bytes");
@@ -533,7 +544,7 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     RecvPool& pool = buffer.pool();
     // The input stays in the pool if other outputs can make the room: then it is read in place (pull), not pushed.
     pool.reserve(intranode::combine_bytes(sent_rows, x_row, num_topk), stream,
-                 {x.data_ptr(), topk_weights ? topk_weights->data_ptr() : nullptr});
+                 {x.data_ptr(), topk_weights ? topk_weights->data_ptr() : nullptr, row_map ? row_map->data_ptr() : nullptr});
     const int64_t x_offset = pool.transient(sent_rows * x_row, stream);
     const int64_t weights_offset = num_topk > 0 ? pool.transient(sent_rows * num_topk * static_cast<int64_t>(sizeof(float)), stream) : -1;
     intranode::Published publish = nothing_published();
@@ -541,14 +552,19 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     publish.value[intranode::kPubCombineWeights] = weights_offset;
     publish.value[intranode::kPubCombineRows] = sent_rows;
     // An input that lies in the pool (with its weights, if any) is read by the sources where it is: no push pass.
-    const bool pulled = pool.holds(x) && (!topk_weights || pool.holds(*topk_weights));
+    const bool pulled = !row_map && pool.holds(x) && (!topk_weights || pool.holds(*topk_weights));
     if (pulled) {
         publish.value[intranode::kPubCombineInputX] = pool.offset_of(x);
         if (topk_weights) publish.value[intranode::kPubCombineInputWeights] = pool.offset_of(*topk_weights);
     }
 
     intranode::barrier(buffer.peers(), buffer.rank(), R, buffer.epoch(), timeout_ns, sync::kStageCombineReady, &publish, stream);
-    if (!pulled)
+    if (row_map)
+        intranode::combine_send_expert_major(buffer.peers(), buffer.rank(), R, x.data_ptr(), x.size(0), hidden, float_type_of(x),
+                                             row_map->data_ptr<int64_t>(), static_cast<int>(row_map->size(1)),
+                                             topk_weights ? topk_weights->data_ptr<float>() : nullptr, num_topk,
+                                             count_matrix.data_ptr<int>(), static_cast<int>(num_sms), stream);
+    else if (!pulled)
         intranode::combine_send(buffer.peers(), buffer.rank(), R, x.data_ptr(), x_row,
                                 topk_weights ? topk_weights->data_ptr<float>() : nullptr, num_topk, count_matrix.data_ptr<int>(),
                                 static_cast<int>(num_sms), stream);
@@ -559,7 +575,8 @@ std::tuple<at::Tensor, OptTensor> combine(IpcBuffer& buffer, const at::Tensor& x
     if (topk_weights) out_weights = at::empty({num_tokens, num_topk}, topk_weights->options());
     intranode::combine_reduce(buffer.peers(), buffer.local_data() + x_offset,
                               weights_offset >= 0 ? reinterpret_cast<const float*>(buffer.local_data() + weights_offset) : nullptr,
-                              x.data_ptr(), topk_weights ? topk_weights->data_ptr<float>() : nullptr, buffer.rank(), R,
+                              row_map ? nullptr : x.data_ptr(), row_map || !topk_weights ? nullptr : topk_weights->data_ptr<float>(),
+                              buffer.rank(), R,
                               count_matrix.data_ptr<int>(), is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
                               static_cast<int>(num_tokens), hidden,
                               float_type_of(x),
@@ -622,7 +639,7 @@ void register_intranode(py::module_& m) {
           py::call_guard<py::gil_scoped_release>());
     m.def("intranode_combine", &combine, py::arg("buffer"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
           py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("count_matrix"), py::arg("num_tokens"), py::arg("sent_rows"),
-          py::arg("num_sms"), py::arg("timeout_ns"), py::call_guard<py::gil_scoped_release>());
+          py::arg("num_sms"), py::arg("timeout_ns"), py::arg("row_map") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace ep

@@ -360,52 +360,113 @@ __global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_r
     }
 }
 
-__global__ void __launch_bounds__(kDataThreadsPerBlock)
-    combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
-                        const int* count_matrix) {
-    __shared__ int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
-    __shared__ int base_at_src[kMaxRanks];   // where this rank's block starts in source s's send order
-    __shared__ char* src_x[kMaxRanks];        // source s's combine region (published)
-    __shared__ float* src_weights[kMaxRanks];
-    __shared__ int64_t src_rows[kMaxRanks];
+// Where the expert side of a combine sends each of its received rows: the sources' published combine regions, at the
+// row each source sent the token from. Shared by both send kernels (received-order and expert-major input).
+struct CombineTargets {
+    int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
+    int base_at_src[kMaxRanks];    // where this rank's block starts in source s's send order
+    char* src_x[kMaxRanks];        // source s's combine region (published)
+    float* src_weights[kMaxRanks];
+    int64_t src_rows[kMaxRanks];
+};
+
+// Fills `t` (in shared memory) from the count matrix and the offsets the sources published; ends with __syncthreads.
+__device__ __forceinline__ void load_combine_targets(CombineTargets& t, const Peers& peers, int rank, int num_ranks,
+                                                     const int* count_matrix) {
     if (threadIdx.x == 0) {
         int total = 0;
         for (int s = 0; s < num_ranks; ++s) {
-            row_begin[s] = total;
+            t.row_begin[s] = total;
             total += count_matrix[s * num_ranks + rank];
         }
-        row_begin[num_ranks] = total;
+        t.row_begin[num_ranks] = total;
     }
     for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
         int base = 0;
         for (int d = 0; d < rank; ++d) base += count_matrix[s * num_ranks + d];
-        base_at_src[s] = base;
+        t.base_at_src[s] = base;
         char* data = data_of(peers.base[s]);
-        src_x[s] = data + load_published(peers.base[s], kPubCombineX);
+        t.src_x[s] = data + load_published(peers.base[s], kPubCombineX);
         const int64_t weights = load_published(peers.base[s], kPubCombineWeights);
-        src_weights[s] = weights < 0 ? nullptr : reinterpret_cast<float*>(data + weights);
-        src_rows[s] = load_published(peers.base[s], kPubCombineRows);
+        t.src_weights[s] = weights < 0 ? nullptr : reinterpret_cast<float*>(data + weights);
+        t.src_rows[s] = load_published(peers.base[s], kPubCombineRows);
     }
     __syncthreads();
-    const int num_recv = row_begin[num_ranks];
+}
+
+// The source of received row `row` (into `src`) and the row it goes back to there. A row beyond what the source
+// allocated traps (lane 0 reports it); the caller skips the row on -1. The same value on every lane of the warp.
+__device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank, int num_ranks, int row, int& src, int lane) {
+    src = 0;
+    while (row >= t.row_begin[src + 1]) ++src;
+    const int64_t back_row = t.base_at_src[src] + (row - t.row_begin[src]);
+    if (back_row < t.src_rows[src]) return back_row;
+    if (lane == 0) {
+        printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the %lld rows it allocated\n", rank,
+               static_cast<long long>(back_row), src, static_cast<long long>(t.src_rows[src]));
+        asm volatile("trap;");
+    }
+    return -1;
+}
+
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
+                        const int* count_matrix) {
+    __shared__ CombineTargets targets;
+    load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
+    const int num_recv = targets.row_begin[num_ranks];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
-        int src = 0;
-        while (row >= row_begin[src + 1]) ++src;
-        if (src == rank) continue;  // this rank's own rows: its reduce reads them from x where they are
-        const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
-        if (back_row >= src_rows[src]) {
-            if (lane == 0) {
-                printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the %lld rows it allocated\n", rank,
-                       static_cast<long long>(back_row), src, static_cast<long long>(src_rows[src]));
-                asm volatile("trap;");
-            }
-            continue;
+        int src;
+        const int64_t back_row = back_row_of(targets, rank, num_ranks, row, src, lane);
+        if (src == rank || back_row < 0) continue;  // this rank's own rows: its reduce reads them from x where they are
+        warp_copy<CopySource::kReadOnly>(targets.src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes,
+                                         x_row_bytes, lane);
+        if (topk_weights != nullptr && targets.src_weights[src] != nullptr && lane < num_topk)
+            targets.src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+    }
+}
+
+// Expert side of an expert-major combine (fused un-permute): per received row (received order), the token's
+// expert-major rows of y (row_map, ascending = local-expert order) summed in fp32 and rounded once to T, written
+// straight into the source's combine region (the source's reduce then runs unchanged). This rank's own rows too: its
+// input holds no received-order rows to read in place.
+template <typename T>
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_send_expert_major_kernel(Peers peers, int rank, int num_ranks, const T* y, int64_t num_rows, int hidden,
+                                     const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk,
+                                     const int* count_matrix) {
+    __shared__ CombineTargets targets;
+    __shared__ const int4* token_rows[kDataWarpsPerBlock][kMaxTopk];  // the token's rows of y, ascending
+    load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
+    const int num_recv = targets.row_begin[num_ranks];
+    const int vectors = hidden / Vec<T>::kElems;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
+        int src;
+        const int64_t back_row = back_row_of(targets, rank, num_ranks, row, src, lane);
+        if (back_row < 0) continue;
+        // Lane k holds slot k's row (-1: expert elsewhere); its rank among the token's rows (they are distinct) is its
+        // place in ascending order, the order unpermute_sum adds them in.
+        const long long mine = lane < map_topk ? row_map[static_cast<int64_t>(row) * map_topk + lane] : -1;
+        if (mine >= num_rows) {
+            printf("ep_dispatcher: expert-major combine on rank %d: row map entry %lld exceeds the %lld rows of x\n", rank, mine,
+                   static_cast<long long>(num_rows));
+            asm volatile("trap;");
         }
-        warp_copy<CopySource::kReadOnly>(src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes,
-                                         lane);
-        if (topk_weights != nullptr && src_weights[src] != nullptr && lane < num_topk)
-            src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        int order = 0;
+        for (int k = 0; k < map_topk; ++k) {
+            const long long other = __shfl_sync(kFullWarpMask, mine, k);
+            order += other >= 0 && other < mine ? 1 : 0;
+        }
+        const int count = __popc(__ballot_sync(kFullWarpMask, mine >= 0));
+        if (mine >= 0) token_rows[warp][order] = reinterpret_cast<const int4*>(y + mine * hidden);
+        __syncwarp();
+        sum_token_rows<T>(nullptr, nullptr, count, [&](int j) { return token_rows[warp][j]; },
+                          reinterpret_cast<T*>(targets.src_x[src] + back_row * hidden * static_cast<int64_t>(sizeof(T))), vectors, lane);
+        if (topk_weights != nullptr && targets.src_weights[src] != nullptr && lane < num_topk)
+            targets.src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        __syncwarp();
     }
 }
 
@@ -417,7 +478,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
     // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
-    // own rows are always read from its input (local_x), where they are.
+    // own rows are read from its input (local_x), where they are; with a null local_x (expert-major input, whose own
+    // rows were summed and pushed like a peer's) from the region too.
     __shared__ const char* x_base[kMaxRanks];
     __shared__ const float* w_base[kMaxRanks];
     __shared__ const char* rows[kDataWarpsPerBlock][kMaxRanks];
@@ -427,7 +489,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
             const int64_t input = load_published(peers.base[d], kPubCombineInputX);
-            if (d == rank) {
+            if (d == rank && local_x != nullptr) {
                 const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
                 x_base[d] = local_x + first * row_bytes;
                 w_base[d] = local_weights == nullptr ? nullptr : local_weights + first * num_topk;
@@ -749,6 +811,19 @@ void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, in
                   const int* count_matrix, int num_sms, cudaStream_t stream) {
     combine_send_kernel<<<num_sms, kDataThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
                                                                       topk_weights, num_topk, count_matrix);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
+                               const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk, const int* count_matrix,
+                               int num_sms, cudaStream_t stream) {
+    EP_HOST_ASSERT(map_topk <= kMaxTopk && map_topk <= kWarpSize, "row map top-k=", map_topk);
+    with_float_type(type, [&](auto element) {
+        using T = decltype(element);
+        EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
+        combine_send_expert_major_kernel<T><<<num_sms, kDataThreadsPerBlock, 0, stream>>>(
+            peers, rank, num_ranks, static_cast<const T*>(y), num_rows, hidden, row_map, map_topk, topk_weights, num_topk, count_matrix);
+    });
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -246,11 +246,22 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
                   int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
 
+// Expert side of an expert-major combine (fused un-permute, docs/fused_permute.md): y [num_rows, hidden] (T = type)
+// holds expert-major rows; row_map [received rows, map_topk] (the fused dispatch's, -1 = expert elsewhere) names each
+// received token's rows. Each received row's value (its rows of y in ascending row order, fp32 sum from 0, one rounding
+// to T: expert_major.unpermute_sum) goes to its source's combine region as combine_send writes it, and this rank's own
+// rows too (combine_reduce then takes a null local_x). topk_weights [received rows, num_topk] (received order) as
+// combine_send. Traps on a row map entry >= num_rows.
+void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
+                               const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk, const int* count_matrix,
+                               int num_sms, cudaStream_t stream);
+
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
 // rows_x / rows_weights: this rank's combine region (where peers that did not publish their input pushed the rows);
 // rows of peers that published their combine input are read (pulled) straight from it, and this rank's own rows from
-// its input local_x / local_weights (combine_send skips them).
+// its input local_x / local_weights (combine_send skips them), or, with a null local_x, from rows_x / rows_weights
+// (combine_send_expert_major pushed them there).
 void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
                     int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,

@@ -3,9 +3,11 @@ with N ranks sharing the GPU(s); and vs the unfused path (dispatch, permute, un-
 
 Every test runs twice, with ``EP_DISPATCHER_FUSED_EXPERT_MAJOR`` set to ``1`` and to ``0`` in the spawned ranks: with
 ``1`` the intranode engine's fused kernels serve the expert-major dispatch and cached dispatch (rows written straight
-into their expert-major slots), with ``0`` the fallback (engine dispatch plus a device gather); the expert-major combine
-is the engine combine after a fixed-order device un-permute either way. Run under MPS (tests/gpu/run_device.sh, phase
-``tests``).
+into their expert-major slots) and the expert-major combine (each token's rows summed while it is pushed back), with
+``0`` the fallback (engine dispatch plus a device gather; a fixed-order device un-permute before the engine combine).
+The combine is checked with ``y`` fresh and with ``y`` written into ``recv_x`` (in the receive pool; the fused
+combine pushes either way), and against the unfused combine pulling its un-permuted input from the pool. Run under MPS
+(tests/gpu/run_device.sh, phase ``tests``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ep_dispatcher.expert_major import expert_major_layout, permute, permute_pro
 
 WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
 FUSED = pytest.mark.parametrize("fused", [True, False], ids=["fused", "fallback"])
-FUSED_CALLS = ("dispatch_expert_major", "cached_dispatch_expert_major")
+FUSED_CALLS = ("dispatch_expert_major", "cached_dispatch_expert_major", "combine_expert_major")
 NUM_NVL_BYTES = 1 << 30  # as tests/gpu/test_intranode_gpu.py
 NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200
 
@@ -46,7 +48,6 @@ def _switch(fused: bool) -> None:
 def _check_engine_calls(cuda: Buffer, fused: bool) -> None:
     calls = set(cuda.engine_calls)
     assert set(FUSED_CALLS) <= calls if fused else not set(FUSED_CALLS) & calls, f"fused={fused}: {cuda.engine_calls}"
-    assert "combine_expert_major" not in calls, "the expert-major combine is the fallback composition"
 
 
 def _set_device(rank: int) -> torch.device:
@@ -95,7 +96,14 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device, ali
     layout = expert_major_layout(plain[1], case.num_experts // case.num_ranks, alignment, sum(plain[3]))
     assert torch.equal(permute(plain[0], layout), out_c[0]), "fused == dispatch + permute"
     unfused = cuda.combine(unpermute(y, layout), plain[4], topk_weights=plain[2], bias=biases, config=config)
-    assert torch.equal(unfused[0], comb_c[0]), "fused combine == un-permute + combine"
+    assert torch.equal(unfused[0], comb_c[0]) and torch.equal(unfused[1], comb_c[1]), "== un-permute + combine"
+    # One bias, no weights; and fp32 rows (the engine sums both dtypes).
+    comb1 = cuda.combine(y, out_c[4], bias=biases[0], config=config)
+    assert comb1[1] is None and torch.equal(comb1[0], ref.combine(y, out_r[4], bias=biases[0])[0]), "one bias"
+    y32, biases32 = y.float() * 0.75, tuple(b.float() for b in biases)
+    comb32 = cuda.combine(y32, out_c[4], topk_weights=out_c[2], bias=biases32, config=config)
+    ref32 = ref.combine(y32, out_r[4], topk_weights=out_r[2], bias=biases32)
+    assert torch.equal(comb32[0], ref32[0]) and torch.equal(comb32[1], ref32[1]), "fp32 expert-major combine"
 
     # Cached dispatch into the handle's expert-major layout (twice: the second reuses the pair table the first read).
     for scale in (3, -0.5):
@@ -122,6 +130,16 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device, ali
         assert torch.equal(cuda.dispatch(x2, handle=h8_c, config=config)[0], cached_c), "bf16 through an fp8 handle"
         comb8 = cuda.combine(y, h8_c, topk_weights=w_c, bias=biases, config=config)
         assert torch.equal(comb8[0], comb_c[0]) and torch.equal(comb8[1], comb_c[1]), "combine on the fp8 handle"
+
+    # y computed in place into recv_x (and the weights left in the pool): the combine input lies in the receive pool.
+    recv_x, recv_w = out_c[0], out_c[2]
+    recv_x.copy_(y)
+    comb_pool = cuda.combine(recv_x, out_c[4], topk_weights=recv_w, bias=biases, config=config)
+    assert torch.equal(comb_pool[0], comb_c[0]) and torch.equal(comb_pool[1], comb_c[1]), "y in the receive pool"
+    # The unfused path with its un-permuted rows written into its recv_x: the engine combine pulls them.
+    plain[0].copy_(unpermute(y, layout))
+    pulled = cuda.combine(plain[0], plain[4], topk_weights=plain[2], bias=biases, config=config)
+    assert torch.equal(pulled[0], comb_c[0]) and torch.equal(pulled[1], comb_c[1]), "== un-permute + pulled combine"
 
 
 def _compare_worker(rank: int, world: int, seeds, fused: bool) -> int:

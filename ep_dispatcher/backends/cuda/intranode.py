@@ -218,7 +218,16 @@ class IntranodeEngine:
         )
         return recv_x, recv_scales
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        """Fused expert-major combine: ``x [M, hidden]`` expert-major rows of a handle ``dispatch_expert_major`` made.
+        Each rank sums a received token's rows (``handle.expert_major.row_map``, ascending, fp32, one rounding: as
+        ``expert_major.unpermute_sum``) while it pushes the token back to its source, its own tokens included; the
+        sources' reduce is the normal combine's. Always pushed, also for an ``x`` that lies in the receive pool."""
+        return self.combine(x, handle, topk_weights, bias, config=config, row_map=handle.expert_major.row_map)
+
+    def combine(
+        self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None, row_map=None
+    ):
         state: IntranodeState = handle.backend_state
         num_sms = kernel_num_sms(config)
         # Every rank checks the most rows any rank gets back (all know the count matrix), so all grow together.
@@ -243,4 +252,5 @@ class IntranodeEngine:
             state.sent_rows,
             num_sms,
             self.timeout_ns,
+            row_map,
         )
