@@ -396,7 +396,7 @@ __device__ __forceinline__ void load_combine_targets(CombineTargets& t, const Pe
 
 // The source of received row `row` (into `src`) and the row it goes back to there. A row beyond what the source
 // allocated traps (lane 0 reports it); the caller skips the row on -1. The same value on every lane of the warp.
-__device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank, int num_ranks, int row, int& src, int lane) {
+__device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank, int row, int& src, int lane) {
     src = 0;
     while (row >= t.row_begin[src + 1]) ++src;
     const int64_t back_row = t.base_at_src[src] + (row - t.row_begin[src]);
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
         int src;
-        const int64_t back_row = back_row_of(targets, rank, num_ranks, row, src, lane);
+        const int64_t back_row = back_row_of(targets, rank, row, src, lane);
         if (src == rank || back_row < 0) continue;  // this rank's own rows: its reduce reads them from x where they are
         warp_copy<CopySource::kReadOnly>(targets.src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes,
                                          x_row_bytes, lane);
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
         int src;
-        const int64_t back_row = back_row_of(targets, rank, num_ranks, row, src, lane);
+        const int64_t back_row = back_row_of(targets, rank, row, src, lane);
         if (back_row < 0) continue;
         // Lane k holds slot k's row (-1: expert elsewhere); its rank among the token's rows (they are distinct) is its
         // place in ascending order, the order unpermute_sum adds them in.
