@@ -3,6 +3,8 @@ the engines and the reference backend it holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,3 +114,45 @@ def test_routing_falls_back_to_the_reference_in_one_place(group) -> None:
         expected, _ = backend.reference.combine(y, view, None, [])
         combined, _ = backend.combine(y, engine_handle, None, [])
         assert torch.equal(combined, expected) and combined.dtype == dtype
+
+
+def test_fused_expert_major_is_routed_only_when_switched_on(group, monkeypatch) -> None:
+    """EP_DISPATCHER_FUSED_EXPERT_MAJOR (read per call) puts the fused expert-major dispatch, cached dispatch and
+    combine on the intranode engine; the cached dispatch and the combine only for a handle the fused dispatch made
+    (its state keeps the pair table), the combine only for a dtype the engine sums."""
+    backend = cuda_backend.CudaBackend(group, 0, 1, 1)
+    gpu = torch.device("cuda", 0)
+    engine = backend.intranode = _FakeEngine(cuda_backend.IntranodeState)
+    fused_calls = ("dispatch_expert_major", "cached_dispatch_expert_major", "combine_expert_major")
+    monkeypatch.delenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", raising=False)
+    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine"), "off by default"
+    assert backend._route("dispatch_expert_major", gpu) is None
+    monkeypatch.setenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "1")
+    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", *fused_calls)
+    assert backend._route("dispatch_expert_major", gpu) is engine
+    assert backend._route("dispatch_expert_major", torch.device("cpu")) is None, "CPU tensors: the reference"
+    state = cuda_backend.IntranodeState(
+        count_matrix=torch.tensor([[2]], dtype=torch.int32),
+        count_matrix_host=None,
+        send_pos=torch.tensor([[0], [-1], [1]], dtype=torch.int32),
+        sent_rows=None,
+        most_sent=2,
+    )
+    assert state.expert_pairs is None and state.expert_table is None, "a received-order dispatch's state"
+    assert backend._route("cached_dispatch_expert_major", gpu, handle=_handle(state)) is engine
+    for call in fused_calls[1:]:
+        assert backend._fused_handle(call, gpu, _handle(state)) is None, f"{call}: a received-order state: the fallback"
+    fused_state = dataclasses.replace(
+        state, expert_pairs=torch.full((2, 3, 1), -1, dtype=torch.int32), expert_table=torch.zeros(3, dtype=torch.int32)
+    )
+    for call in fused_calls[1:]:
+        assert backend._fused_handle(call, gpu, _handle(fused_state)) is engine, call
+        assert backend._fused_handle(call, torch.device("cpu"), _handle(fused_state)) is None, f"{call}: CPU tensors"
+    assert backend._fused_handle("combine_expert_major", gpu, _handle(fused_state), dtype=torch.bfloat16) is engine
+    assert backend._fused_handle("combine_expert_major", gpu, _handle(fused_state), dtype=torch.float16) is None, "fp16"
+    backend.internode = _FakeEngine(cuda_backend.InternodeState)
+    assert backend._route("dispatch_expert_major", gpu) is None, "no fused kernel on the internode engine"
+    monkeypatch.setenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "0")
+    backend.internode = None
+    assert backend._route("cached_dispatch_expert_major", gpu, handle=_handle(state)) is None
+    assert backend._fused_handle("combine_expert_major", gpu, _handle(fused_state)) is None, "switched off"

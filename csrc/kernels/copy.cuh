@@ -64,6 +64,23 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
     }
 }
 
+// Copies one row of `bytes` at src to `count` rows dst(j), j < count, with one warp: each 16-byte vector is read once
+// (read-only path) and stored to every destination (a dispatched token's rows at several ranks or experts). Rows whose
+// size is not a multiple of 16 bytes go one destination at a time through warp_copy.
+template <typename Dst>
+__device__ __forceinline__ void warp_copy_to_each(const char* src, int64_t bytes, int count, Dst&& dst, int lane) {
+    if ((bytes & 15) == 0) {
+        const int4* s = reinterpret_cast<const int4*>(src);
+        warp_copy_batched(
+            bytes / 16, lane, [&](int64_t i) { return __ldg(s + i); },
+            [&](int64_t i, const int4& v) {
+                for (int j = 0; j < count; ++j) reinterpret_cast<int4*>(dst(j))[i] = v;
+            });
+    } else {
+        for (int j = 0; j < count; ++j) warp_copy<CopySource::kReadOnly>(dst(j), src, bytes, lane);
+    }
+}
+
 // Numbers, in ascending order, the indices i < n for which hit(i) holds: visit(i, slot) runs on the lane that tested
 // i, with slot = how many hits precede i. Returns the number of hits (the same on every lane). Run by a whole warp;
 // a hit's visit runs before the next 32 indices are tested.

@@ -96,7 +96,7 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
                               const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
                               int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
                               int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
-                              int* go, CountReport* report, int report_tag, int64_t timeout_ns) {
+                              int* go, CountReport* report, int report_tag, int64_t timeout_ns, int* expert_table) {
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
     char* mine = peers.base[rank];
@@ -153,6 +153,36 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             const int aligned = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
             recv_per_expert[e] = aligned;
             if (report != nullptr) report->recv_per_expert[e] = aligned;
+        }
+    }
+    if (expert_table != nullptr && num_tokens_per_expert != nullptr) {
+        // Expert-major slots (fused permute): the same published pair counts as recv_per_expert above, so every sender's
+        // slots and every receiver's rows agree. Column totals first (one thread per expert, loads in parallel), then one
+        // thread per receiver runs the aligned prefix over its experts.
+        const int num_local_experts = num_experts / num_ranks;
+        int* column_total = expert_table;
+        int* slot_base = expert_table + num_experts;
+        int* recv_pairs = slot_base + num_experts;
+        for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+            int total = 0, before = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                const int count = sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + g);
+                total += count;
+                before += src < rank ? count : 0;
+            }
+            column_total[g] = total;
+            slot_base[g] = before;
+            if (g / num_local_experts == rank) recv_pairs[g - rank * num_local_experts] = total;
+        }
+        __syncthreads();  // the block's global writes above are visible to all its threads past this point
+        for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+            int base = 0;
+            for (int e = 0; e < num_local_experts; ++e) {
+                const int g = dst * num_local_experts + e;
+                slot_base[g] += base;
+                base += static_cast<int>(align_up(column_total[g], expert_alignment));
+            }
+            if (report != nullptr) report->expert_rows[dst] = base;
         }
     }
     __syncthreads();
@@ -253,23 +283,9 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         __syncwarp();
 
         // Payload: read each 16-byte vector once, store it to every destination.
-        const char* x_row = x + static_cast<int64_t>(t) * x_row_bytes;
-        if ((x_row_bytes & 15) == 0) {
-            const int4* src = reinterpret_cast<const int4*>(x_row);
-            warp_copy_batched(
-                x_row_bytes / 16, lane, [&](int64_t i) { return __ldg(src + i); },
-                [&](int64_t i, const int4& v) {
-                    for (int j = 0; j < count; ++j) {
-                        char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                        reinterpret_cast<int4*>(dst)[i] = v;
-                    }
-                });
-        } else {
-            for (int j = 0; j < count; ++j) {
-                char* dst = dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes;
-                warp_copy<CopySource::kReadOnly>(dst, x_row, x_row_bytes, lane);
-            }
-        }
+        warp_copy_to_each(
+            x + static_cast<int64_t>(t) * x_row_bytes, x_row_bytes, count,
+            [&](int j) { return dst_x[dst_rank[warp][j]] + static_cast<int64_t>(dst_row[warp][j]) * x_row_bytes; }, lane);
         for (int j = 0; j < count; ++j) {
             const int d = dst_rank[warp][j];
             const int64_t row = dst_row[warp][j];
@@ -344,52 +360,113 @@ __global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_r
     }
 }
 
-__global__ void __launch_bounds__(kDataThreadsPerBlock)
-    combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
-                        const int* count_matrix) {
-    __shared__ int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
-    __shared__ int base_at_src[kMaxRanks];   // where this rank's block starts in source s's send order
-    __shared__ char* src_x[kMaxRanks];        // source s's combine region (published)
-    __shared__ float* src_weights[kMaxRanks];
-    __shared__ int64_t src_rows[kMaxRanks];
+// Where the expert side of a combine sends each of its received rows: the sources' published combine regions, at the
+// row each source sent the token from. Shared by both send kernels (received-order and expert-major input).
+struct CombineTargets {
+    int row_begin[kMaxRanks + 1];  // rows of source s in this rank's received rows: [row_begin[s], row_begin[s+1])
+    int base_at_src[kMaxRanks];    // where this rank's block starts in source s's send order
+    char* src_x[kMaxRanks];        // source s's combine region (published)
+    float* src_weights[kMaxRanks];
+    int64_t src_rows[kMaxRanks];
+};
+
+// Fills `t` (in shared memory) from the count matrix and the offsets the sources published; ends with __syncthreads.
+__device__ __forceinline__ void load_combine_targets(CombineTargets& t, const Peers& peers, int rank, int num_ranks,
+                                                     const int* count_matrix) {
     if (threadIdx.x == 0) {
         int total = 0;
         for (int s = 0; s < num_ranks; ++s) {
-            row_begin[s] = total;
+            t.row_begin[s] = total;
             total += count_matrix[s * num_ranks + rank];
         }
-        row_begin[num_ranks] = total;
+        t.row_begin[num_ranks] = total;
     }
     for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
         int base = 0;
         for (int d = 0; d < rank; ++d) base += count_matrix[s * num_ranks + d];
-        base_at_src[s] = base;
+        t.base_at_src[s] = base;
         char* data = data_of(peers.base[s]);
-        src_x[s] = data + load_published(peers.base[s], kPubCombineX);
+        t.src_x[s] = data + load_published(peers.base[s], kPubCombineX);
         const int64_t weights = load_published(peers.base[s], kPubCombineWeights);
-        src_weights[s] = weights < 0 ? nullptr : reinterpret_cast<float*>(data + weights);
-        src_rows[s] = load_published(peers.base[s], kPubCombineRows);
+        t.src_weights[s] = weights < 0 ? nullptr : reinterpret_cast<float*>(data + weights);
+        t.src_rows[s] = load_published(peers.base[s], kPubCombineRows);
     }
     __syncthreads();
-    const int num_recv = row_begin[num_ranks];
+}
+
+// The source of received row `row` (into `src`) and the row it goes back to there. A row beyond what the source
+// allocated traps (lane 0 reports it); the caller skips the row on -1. The same value on every lane of the warp.
+__device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank, int row, int& src, int lane) {
+    src = 0;
+    while (row >= t.row_begin[src + 1]) ++src;
+    const int64_t back_row = t.base_at_src[src] + (row - t.row_begin[src]);
+    if (back_row < t.src_rows[src]) return back_row;
+    if (lane == 0) {
+        printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the %lld rows it allocated\n", rank,
+               static_cast<long long>(back_row), src, static_cast<long long>(t.src_rows[src]));
+        asm volatile("trap;");
+    }
+    return -1;
+}
+
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
+                        const int* count_matrix) {
+    __shared__ CombineTargets targets;
+    load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
+    const int num_recv = targets.row_begin[num_ranks];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
-        int src = 0;
-        while (row >= row_begin[src + 1]) ++src;
-        if (src == rank) continue;  // this rank's own rows: its reduce reads them from x where they are
-        const int64_t back_row = base_at_src[src] + (row - row_begin[src]);
-        if (back_row >= src_rows[src]) {
-            if (lane == 0) {
-                printf("ep_dispatcher: combine on rank %d: row %lld for rank %d exceeds the %lld rows it allocated\n", rank,
-                       static_cast<long long>(back_row), src, static_cast<long long>(src_rows[src]));
-                asm volatile("trap;");
-            }
-            continue;
+        int src;
+        const int64_t back_row = back_row_of(targets, rank, row, src, lane);
+        if (src == rank || back_row < 0) continue;  // this rank's own rows: its reduce reads them from x where they are
+        warp_copy<CopySource::kReadOnly>(targets.src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes,
+                                         x_row_bytes, lane);
+        if (topk_weights != nullptr && targets.src_weights[src] != nullptr && lane < num_topk)
+            targets.src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+    }
+}
+
+// Expert side of an expert-major combine (fused un-permute): per received row (received order), the token's
+// expert-major rows of y (row_map, ascending = local-expert order) summed in fp32 and rounded once to T, written
+// straight into the source's combine region (the source's reduce then runs unchanged). This rank's own rows too: its
+// input holds no received-order rows to read in place.
+template <typename T>
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    combine_send_expert_major_kernel(Peers peers, int rank, int num_ranks, const T* y, int64_t num_rows, int hidden,
+                                     const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk,
+                                     const int* count_matrix) {
+    __shared__ CombineTargets targets;
+    __shared__ const int4* token_rows[kDataWarpsPerBlock][kMaxTopk];  // the token's rows of y, ascending
+    load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
+    const int num_recv = targets.row_begin[num_ranks];
+    const int vectors = hidden / Vec<T>::kElems;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int row = blockIdx.x * kDataWarpsPerBlock + warp; row < num_recv; row += gridDim.x * kDataWarpsPerBlock) {
+        int src;
+        const int64_t back_row = back_row_of(targets, rank, row, src, lane);
+        if (back_row < 0) continue;
+        // Lane k holds slot k's row (-1: expert elsewhere); its rank among the token's rows (they are distinct) is its
+        // place in ascending order, the order unpermute_sum adds them in.
+        const long long mine = lane < map_topk ? row_map[static_cast<int64_t>(row) * map_topk + lane] : -1;
+        if (mine >= num_rows) {
+            printf("ep_dispatcher: expert-major combine on rank %d: row map entry %lld exceeds the %lld rows of x\n", rank, mine,
+                   static_cast<long long>(num_rows));
+            asm volatile("trap;");
         }
-        warp_copy<CopySource::kReadOnly>(src_x[src] + back_row * x_row_bytes, x + static_cast<int64_t>(row) * x_row_bytes, x_row_bytes,
-                                         lane);
-        if (topk_weights != nullptr && src_weights[src] != nullptr && lane < num_topk)
-            src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        int order = 0;
+        for (int k = 0; k < map_topk; ++k) {
+            const long long other = __shfl_sync(kFullWarpMask, mine, k);
+            order += other >= 0 && other < mine ? 1 : 0;
+        }
+        const int count = __popc(__ballot_sync(kFullWarpMask, mine >= 0));
+        if (mine >= 0) token_rows[warp][order] = reinterpret_cast<const int4*>(y + mine * hidden);
+        __syncwarp();
+        sum_token_rows<T>(nullptr, nullptr, count, [&](int j) { return token_rows[warp][j]; },
+                          reinterpret_cast<T*>(targets.src_x[src] + back_row * hidden * static_cast<int64_t>(sizeof(T))), vectors, lane);
+        if (topk_weights != nullptr && targets.src_weights[src] != nullptr && lane < num_topk)
+            targets.src_weights[src][back_row * num_topk + lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        __syncwarp();
     }
 }
 
@@ -401,7 +478,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
     // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
-    // own rows are always read from its input (local_x), where they are.
+    // own rows are read from its input (local_x), where they are; with a null local_x (expert-major input, whose own
+    // rows were summed and pushed like a peer's) from the region too.
     __shared__ const char* x_base[kMaxRanks];
     __shared__ const float* w_base[kMaxRanks];
     __shared__ const char* rows[kDataWarpsPerBlock][kMaxRanks];
@@ -411,7 +489,7 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         int send_base = 0;
         for (int d = 0; d < num_ranks; ++d) {
             const int64_t input = load_published(peers.base[d], kPubCombineInputX);
-            if (d == rank) {
+            if (d == rank && local_x != nullptr) {
                 const int64_t first = recv_base(count_matrix, num_ranks, rank, d);
                 x_base[d] = local_x + first * row_bytes;
                 w_base[d] = local_weights == nullptr ? nullptr : local_weights + first * num_topk;
@@ -449,6 +527,181 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
                 sum_token_weights(count, [&](int j) { return weight_rows[warp][j]; }, lane);
         __syncwarp();
     }
+}
+
+// ------------------------------------------------------------------ expert-major dispatch (fused permute)
+// One block per global expert g: the position of each of this rank's pairs (token, slot) for g among its pairs for g,
+// in token order then slot order (the order the receiver's expert-major rows keep), by the same run-per-thread block
+// scan as send_positions_kernel. Pairs whose token is not sent to g's rank are not counted (they are not sent).
+__global__ void __launch_bounds__(kScanThreads)
+    expert_positions_kernel(const int64_t* topk_idx, const bool* is_token_in_rank, int num_tokens, int num_topk, int num_local_experts,
+                            int num_ranks, int* pairs, int* expert_counts) {
+    using BlockScan = cub::BlockScan<int, kScanThreads>;
+    __shared__ typename BlockScan::TempStorage scan_storage;
+    const int expert = blockIdx.x;
+    const int dst = expert / num_local_experts;
+    const int run = ceil_div(num_tokens, kScanThreads);
+    const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * run), end = min(num_tokens, begin + run);
+    const auto picks = [&](int t, int k) { return topk_idx[static_cast<int64_t>(t) * num_topk + k] == expert; };
+    int hits = 0;
+    for (int t = begin; t < end; ++t) {
+        if (!is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst]) continue;
+        for (int k = 0; k < num_topk; ++k) hits += picks(t, k) ? 1 : 0;
+    }
+    int position, total;
+    BlockScan(scan_storage).ExclusiveSum(hits, position, total);
+    for (int t = begin; t < end; ++t) {
+        if (!is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst]) continue;
+        for (int k = 0; k < num_topk; ++k)
+            if (picks(t, k)) pairs[static_cast<int64_t>(t) * num_topk + k] = position++;
+    }
+    if (threadIdx.x == 0) expert_counts[expert] = total;
+}
+
+// Sender side of an expert-major dispatch (see intranode.cuh): one warp per token; each top-k lane owns its pair.
+__global__ void __launch_bounds__(kDataThreadsPerBlock)
+    dispatch_expert_major_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales,
+                                 int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk,
+                                 int num_local_experts, const bool* is_token_in_rank, const int* send_pos, const int* count_matrix,
+                                 const int* slot_base, int* pairs, int num_tokens) {
+    const bool fresh = topk_idx != nullptr;
+    __shared__ int base_in_dst[kMaxRanks];  // received-order rows (top-k ids, weights, source index, row map)
+    __shared__ char* dst_x[kMaxRanks];      // expert-major rows (x, scales)
+    __shared__ char* dst_scales[kMaxRanks];
+    __shared__ int64_t* dst_topk[kMaxRanks];
+    __shared__ float* dst_weights[kMaxRanks];
+    __shared__ int* dst_src[kMaxRanks];
+    __shared__ int64_t* dst_row_map[kMaxRanks];
+    __shared__ int64_t* dst_row_pair[kMaxRanks];
+    __shared__ int64_t dst_rows[kMaxRanks];
+    __shared__ int64_t dst_expert_rows[kMaxRanks];
+    __shared__ char* pair_x[kDataWarpsPerBlock][kMaxTopk];  // the token's pairs, compacted: where each one's x row goes
+    __shared__ char* pair_scales[kDataWarpsPerBlock][kMaxTopk];
+    __shared__ int dst_rank[kDataWarpsPerBlock][kMaxRanks];
+    __shared__ int dst_row[kDataWarpsPerBlock][kMaxRanks];
+    for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+        char* data = data_of(peers.base[d]);
+        const auto region = [&](int field) -> char* {
+            const int64_t offset = load_published(peers.base[d], field);
+            return offset < 0 ? nullptr : data + offset;
+        };
+        dst_x[d] = region(kPubRecvX);
+        dst_scales[d] = region(kPubRecvScales);
+        dst_expert_rows[d] = load_published(peers.base[d], kPubRecvExpertRows);
+        if (fresh) {
+            base_in_dst[d] = recv_base(count_matrix, num_ranks, rank, d);
+            dst_topk[d] = reinterpret_cast<int64_t*>(region(kPubRecvTopk));
+            dst_weights[d] = reinterpret_cast<float*>(region(kPubRecvWeights));
+            dst_src[d] = reinterpret_cast<int*>(region(kPubRecvSrc));
+            dst_row_map[d] = reinterpret_cast<int64_t*>(region(kPubRecvRowMap));
+            dst_row_pair[d] = reinterpret_cast<int64_t*>(region(kPubRecvRowPair));
+            dst_rows[d] = load_published(peers.base[d], kPubRecvRows);
+        }
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int64_t num_pairs = static_cast<int64_t>(num_tokens) * num_topk;
+    for (int t = blockIdx.x * kDataWarpsPerBlock + warp; t < num_tokens; t += gridDim.x * kDataWarpsPerBlock) {
+        // This lane's pair: its expert-major row and destination rank (-1: not sent). A fresh call derives them from
+        // the expert's slot base and the pair's position, and keeps them in `pairs` for the cached calls.
+        const int64_t pair = static_cast<int64_t>(t) * num_topk + lane;
+        int64_t expert = -1;
+        int row = -1, dst = -1;
+        if (lane < num_topk) {
+            if (fresh) {
+                expert = topk_idx[pair];
+                // Ids out of range never get here (notify reports them and the host raises before this kernel).
+                const int d = expert >= 0 ? static_cast<int>(expert / num_local_experts) : -1;
+                if (d >= 0 && d < num_ranks && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) {
+                    dst = d;
+                    row = slot_base[expert] + pairs[pair];
+                }
+                pairs[pair] = row;
+                pairs[num_pairs + pair] = dst;
+            } else {
+                row = pairs[pair];
+                dst = pairs[num_pairs + pair];
+            }
+            if (dst >= 0 && row >= dst_expert_rows[dst]) {
+                printf("ep_dispatcher: expert-major dispatch on rank %d: row %d for rank %d exceeds its %lld expert-major rows\n", rank,
+                       row, dst, static_cast<long long>(dst_expert_rows[dst]));
+                asm volatile("trap;");
+            }
+        }
+        const unsigned sent = __ballot_sync(kFullWarpMask, dst >= 0);
+        if (dst >= 0) {
+            const int slot = __popc(sent & ((1u << lane) - 1));
+            pair_x[warp][slot] = dst_x[dst] + static_cast<int64_t>(row) * x_row_bytes;
+            pair_scales[warp][slot] = dst_scales[dst] == nullptr ? nullptr : dst_scales[dst] + static_cast<int64_t>(row) * scale_row_bytes;
+        }
+        const int count = __popc(sent);
+        __syncwarp();
+
+        // Payload: read each 16-byte vector once, store it to every row of the token (one per local expert it picked).
+        warp_copy_to_each(x + static_cast<int64_t>(t) * x_row_bytes, x_row_bytes, count, [&](int j) { return pair_x[warp][j]; }, lane);
+        if (scales != nullptr) {
+            for (int j = 0; j < count; ++j)
+                warp_copy<CopySource::kReadOnly>(pair_scales[warp][j], scales + static_cast<int64_t>(t) * scale_row_bytes, scale_row_bytes,
+                                                 lane);
+        }
+
+        if (fresh) {
+            // Received order, as `dispatch` writes it: the token's row at each destination rank, in rank order.
+            const bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+            const int num_dst = warp_compact(num_ranks, lane, [&](int d) { return in_rank[d]; }, [&](int d, int slot) {
+                const int recv_row = base_in_dst[d] + send_pos[static_cast<int64_t>(t) * num_ranks + d];
+                if (recv_row >= dst_rows[d]) {
+                    printf("ep_dispatcher: expert-major dispatch on rank %d: row %d for rank %d exceeds its %lld rows\n", rank, recv_row,
+                           d, static_cast<long long>(dst_rows[d]));
+                    asm volatile("trap;");
+                }
+                dst_rank[warp][slot] = d;
+                dst_row[warp][slot] = recv_row;
+            });
+            __syncwarp();
+            for (int j = 0; j < num_dst; ++j) {
+                const int d = dst_rank[warp][j];
+                const int64_t recv_row = dst_row[warp][j];
+                if (lane < num_topk) {
+                    // Ids become the destination's local ids; experts elsewhere become -1 with weight 0 (as `dispatch`).
+                    const bool local = dst == d;
+                    const int64_t cell = recv_row * num_topk + lane;
+                    dst_topk[d][cell] = local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
+                    dst_weights[d][cell] = local ? topk_weights[pair] : 0.0f;
+                    dst_row_map[d][cell] = local ? row : -1;
+                    if (local) dst_row_pair[d][row] = cell;
+                }
+                if (lane == 0) dst_src[d][recv_row] = t;
+            }
+        }
+        __syncwarp();
+    }
+}
+
+// Receiver side: one block per local expert zeroes its padding rows (they lie back to back, after its pairs' rows).
+__global__ void expert_major_padding_kernel(const int* aligned_per_expert, const int* pairs_per_expert, char* x, int x_row_bytes,
+                                            char* scales, int scale_row_bytes, int64_t* row_pair) {
+    __shared__ int64_t first, padding;
+    const int e = blockIdx.x;
+    if (threadIdx.x == 0) {
+        int64_t base = 0;
+        for (int i = 0; i < e; ++i) base += aligned_per_expert[i];
+        first = base + pairs_per_expert[e];
+        padding = aligned_per_expert[e] - pairs_per_expert[e];
+    }
+    __syncthreads();
+    const auto zero = [&](char* rows, int64_t bytes) {
+        if (((reinterpret_cast<uintptr_t>(rows) | static_cast<uintptr_t>(bytes)) & 3) == 0) {
+            for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x) reinterpret_cast<int*>(rows)[i] = 0;
+        } else {
+            for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) rows[i] = 0;
+        }
+    };
+    zero(x + first * x_row_bytes, padding * x_row_bytes);
+    if (scales != nullptr) zero(scales + first * scale_row_bytes, padding * scale_row_bytes);
+    if (row_pair != nullptr)
+        for (int64_t i = threadIdx.x; i < padding; i += blockDim.x) row_pair[first + i] = -1;
 }
 
 }  // namespace
@@ -499,7 +752,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
             int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
             int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert,
-            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream) {
+            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream,
+            int* expert_table) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
     EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
@@ -508,7 +762,7 @@ void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* 
                                                          num_experts, expert_alignment, pool_bytes, block_offset, block_bytes, block_rows,
                                                          x_row_bytes,
                                                          scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
-                                                         go, report, report_tag, timeout_ns);
+                                                         go, report, report_tag, timeout_ns, expert_table);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -560,6 +814,19 @@ void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, in
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
+void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
+                               const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk, const int* count_matrix,
+                               int num_sms, cudaStream_t stream) {
+    EP_HOST_ASSERT(map_topk <= kMaxTopk && map_topk <= kWarpSize, "row map top-k=", map_topk);
+    with_float_type(type, [&](auto element) {
+        using T = decltype(element);
+        EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
+        combine_send_expert_major_kernel<T><<<num_sms, kDataThreadsPerBlock, 0, stream>>>(
+            peers, rank, num_ranks, static_cast<const T*>(y), num_rows, hidden, row_map, map_topk, topk_weights, num_topk, count_matrix);
+    });
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
 void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
                     int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos, int num_tokens,
                     int hidden, FloatType type, const void* bias0, const void* bias1, void* out, float* out_weights, int num_topk,
@@ -574,6 +841,35 @@ void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_we
             send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out), out_weights,
             num_topk);
     });
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+
+void expert_positions(const int64_t* topk_idx, const bool* is_token_in_rank, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                      int* pairs, int* expert_counts, cudaStream_t stream) {
+    EP_HOST_ASSERT(num_experts > 0 && num_experts % num_ranks == 0, "num_experts=", num_experts, " num_ranks=", num_ranks);
+    expert_positions_kernel<<<num_experts, kScanThreads, 0, stream>>>(topk_idx, is_token_in_rank, num_tokens, num_topk,
+                                                                      num_experts / num_ranks, num_ranks, pairs, expert_counts);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void dispatch_expert_major(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
+                           int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
+                           const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const int* slot_base, int* pairs,
+                           int num_tokens, int num_sms, cudaStream_t stream) {
+    EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
+    if (num_tokens == 0) return;
+    dispatch_expert_major_kernel<<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(
+        peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
+        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, slot_base, pairs, num_tokens);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void expert_major_padding(const int* aligned_per_expert, const int* pairs_per_expert, int num_local_experts, void* x, int x_row_bytes,
+                          void* scales, int scale_row_bytes, int64_t* row_pair, cudaStream_t stream) {
+    if (num_local_experts == 0) return;
+    expert_major_padding_kernel<<<num_local_experts, kNumThreadsPerBlock, 0, stream>>>(
+        aligned_per_expert, pairs_per_expert, static_cast<char*>(x), x_row_bytes, static_cast<char*>(scales), scale_row_bytes, row_pair);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

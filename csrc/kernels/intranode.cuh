@@ -68,6 +68,11 @@ enum PublishedField : int {
     kPubBlockRows,  // num_worst_tokens, or -1: the rows the counts give
     kPubRowShape,   // x row bytes, scale row bytes and top-k width, packed (every rank must send the same rows)
     kPubPoolBytes,  // the rank's receive-pool size: growth is decided on the group's smallest, so all ranks agree
+    // An expert-major dispatch (fused permute): its row map [recv rows, top-k] int64, the inverse row -> pair [M] int64,
+    // and M, the expert-major rows x and scales have (bounds the senders' writes).
+    kPubRecvRowMap,
+    kPubRecvRowPair,
+    kPubRecvExpertRows,
     kNumPublished
 };
 struct Published {
@@ -94,6 +99,27 @@ __host__ __device__ inline ReceiveLayout receive_layout(int64_t rows, int x_row_
     return l;
 }
 
+// An expert-major dispatch's outputs (fused permute, docs/fused_permute.md) in its receive block of `rows` received
+// tokens and `num_rows` expert-major rows: the received-order fields of receive_layout without x and scales (top-k ids,
+// weights and source indices stay in received order), then x and scales as `num_rows` expert-major rows, the row map
+// [rows, top-k] and the inverse map [num_rows] (both int64). A cached one (`fresh` false) has x and scales only.
+struct ExpertMajorReceiveLayout {
+    ReceiveLayout order;  // topk, weights, src (its x and scales take no bytes)
+    int64_t x, scales, row_map, row_pair, end;
+};
+__host__ __device__ inline ExpertMajorReceiveLayout expert_major_receive_layout(int64_t rows, int64_t num_rows, int x_row_bytes,
+                                                                                int scale_row_bytes, int num_topk, bool fresh) {
+    constexpr int64_t kAlign = kRegionAlignment;
+    ExpertMajorReceiveLayout l{};
+    l.order = receive_layout(fresh ? rows : 0, 0, 0, fresh ? num_topk : 0, fresh);
+    l.x = l.order.end;
+    l.scales = l.x + align_up(num_rows * x_row_bytes, kAlign);
+    l.row_map = l.scales + align_up(num_rows * scale_row_bytes, kAlign);
+    l.row_pair = l.row_map + (fresh ? align_up(rows * num_topk * static_cast<int64_t>(sizeof(int64_t)), kAlign) : 0);
+    l.end = l.row_pair + (fresh ? align_up(num_rows * static_cast<int64_t>(sizeof(int64_t)), kAlign) : 0);
+    return l;
+}
+
 // Where a fresh dispatch writes into one receiver: offsets in its data area (-1: field not written) and its rows.
 // Notify computes them for every receiver from the published blocks and the count matrix, so the data kernel runs
 // right after it, with no host round trip and no second barrier.
@@ -110,6 +136,7 @@ struct CountReport {
     long long min_pool_bytes;  // the smallest receive pool of the group
     int count_matrix[kMaxRanks * kMaxRanks];
     int recv_per_expert[kMaxExperts];
+    int expert_rows[kMaxRanks];  // expert-major dispatch: each receiver's M (sum of its aligned per-expert counts)
 };
 
 // Base address of every rank's buffer, as mapped in this process (index = rank). Passed by value to kernels.
@@ -155,11 +182,45 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 // and the host takes the slow path or raises). `report` (host-mapped) gets the count matrix, the per-expert counts,
 // the lowest rank's input error and `fits`, then `report_tag`. No closing barrier: peers read the counts, blocks
 // and errors of this call before they reach the dispatch's data barrier, and nobody rewrites them before that.
+//
+// `expert_table` (expert-major dispatch, else null; needs num_tokens_per_expert; expert_table_ints() ints) gets
+// [column totals E | slot bases E | this rank's received pairs per local expert L]: slot_base[g] = the expert-major row
+// at receiver g / L where this rank's first pair for global expert g goes (aligned base of the expert there + the pairs
+// of lower source ranks for it); the report also gets every receiver's M (expert_rows), so all ranks size alike.
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
             const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset,
             int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix,
             int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag,
-            int64_t timeout_ns, cudaStream_t stream);
+            int64_t timeout_ns, cudaStream_t stream, int* expert_table = nullptr);
+
+// Ints of notify's expert_table.
+inline int64_t expert_table_ints(int num_experts, int num_local_experts) {
+    return 2 * static_cast<int64_t>(num_experts) + num_local_experts;
+}
+
+// Expert-major dispatch, sender side, before notify: pairs[t * num_topk + k] = position of the pair (token t, slot k)
+// among this rank's pairs for expert topk_idx[t][k] (token order, then slot order), for pairs whose rank gets the token
+// (is_token_in_rank); other entries are left as they are. expert_counts[g] = this rank's pairs for expert g (what
+// notify publishes, so the slots every sender computes add up exactly).
+void expert_positions(const int64_t* topk_idx, const bool* is_token_in_rank, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                      int* pairs, int* expert_counts, cudaStream_t stream);
+
+// Expert-major dispatch, sender side, after the receivers published their regions (kPubRecv*, kPubRecvRowMap/RowPair/
+// ExpertRows) at a barrier. Fresh (topk_idx non-null): each pair (token, slot) whose expert is on rank d is written to
+// row slot_base[expert] + pairs[pair] of d's expert-major x (and scales); top-k ids, weights and the source index go to
+// d's received-order row (as `dispatch`), the row map and its inverse too; pairs [2, num_tokens, num_topk] is rewritten
+// in place to (expert-major row, destination rank) per pair (-1 if not sent), which the cached one (topk_idx null)
+// reads instead. scales may be null.
+void dispatch_expert_major(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
+                           int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
+                           const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const int* slot_base, int* pairs,
+                           int num_tokens, int num_sms, cudaStream_t stream);
+
+// Expert-major dispatch, receiver side: the padding rows of every local expert e (rows [base + count[e], base +
+// aligned[e]) with base = sum of aligned[e' < e]) get zero x and scales and, with row_pair, -1. scales and row_pair may
+// be null.
+void expert_major_padding(const int* aligned_per_expert, const int* pairs_per_expert, int num_local_experts, void* x, int x_row_bytes,
+                          void* scales, int scale_row_bytes, int64_t* row_pair, cudaStream_t stream);
 
 // Timed barrier over all ranks (one block). With `publish`, this rank's offsets go to its signal area first. With
 // `clear_input_error`, this rank's recorded input error is cleared after it (every peer has read it by then).
@@ -185,11 +246,22 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights,
                   int num_topk, const int* count_matrix, int num_sms, cudaStream_t stream);
 
+// Expert side of an expert-major combine (fused un-permute, docs/fused_permute.md): y [num_rows, hidden] (T = type)
+// holds expert-major rows; row_map [received rows, map_topk] (the fused dispatch's, -1 = expert elsewhere) names each
+// received token's rows. Each received row's value (its rows of y in ascending row order, fp32 sum from 0, one rounding
+// to T: expert_major.unpermute_sum) goes to its source's combine region as combine_send writes it, and this rank's own
+// rows too (combine_reduce then takes a null local_x). topk_weights [received rows, num_topk] (received order) as
+// combine_send. Traps on a row map entry >= num_rows.
+void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
+                               const int64_t* row_map, int map_topk, const float* topk_weights, int num_topk, const int* count_matrix,
+                               int num_sms, cudaStream_t stream);
+
 // Source side of combine: out[t] = bias0[t] + bias1[t] + sum over destination ranks d ascending (token t sent to
 // d) of the row d sent back, in fp32, rounded once to the output type. out_weights likewise (fp32, no bias).
 // rows_x / rows_weights: this rank's combine region (where peers that did not publish their input pushed the rows);
 // rows of peers that published their combine input are read (pulled) straight from it, and this rank's own rows from
-// its input local_x / local_weights (combine_send skips them).
+// its input local_x / local_weights (combine_send skips them), or, with a null local_x, from rows_x / rows_weights
+// (combine_send_expert_major pushed them there).
 void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_weights, const void* local_x, const float* local_weights,
                     int rank, int num_ranks, const int* count_matrix,
                     const bool* is_token_in_rank, const int* send_pos, int num_tokens, int hidden, FloatType type,

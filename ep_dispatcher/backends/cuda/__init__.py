@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ... import _C
+from ... import _C, settings
 from ...expert_major import permute_rows, to_expert_major, unpermute_sum
 from ...handles import DispatchHandle, LowLatencyHandle
 from ..base import DispatchArgs, LowLatencyDispatchArgs
@@ -128,11 +128,17 @@ class CudaBackend:
     def _engines(self) -> Dict[str, Optional[_Engine]]:
         """Which engine serves each call when its tensors are on the GPU (None: no engine, the reference serves it)."""
         high_throughput = self.internode if self.internode is not None else self.intranode
+        # The fused expert-major kernels exist on the intranode engine only, behind EP_DISPATCHER_FUSED_EXPERT_MAJOR
+        # (settings.py).
+        fused = self.intranode if self.internode is None and settings.fused_expert_major() else None
         return {
             "get_dispatch_layout": self.layout,
             "dispatch": high_throughput,
             "cached_dispatch": high_throughput,
             "combine": high_throughput,
+            "dispatch_expert_major": fused,
+            "cached_dispatch_expert_major": fused,
+            "combine_expert_major": fused,
             "low_latency_dispatch": self.low_latency,
             "low_latency_combine": self.low_latency,
         }
@@ -207,22 +213,42 @@ class CudaBackend:
         return engine.combine(x, handle, topk_weights, bias, config)
 
     # ------------------------------------------------------------------ expert-major dispatch / combine (fused permute)
-    # FALLBACK, NOT FUSED YET (issue 21, docs/fused_permute.md): the routed dispatch / cached dispatch / combine above
-    # (engine or reference, as ``_route`` decides) plus a device gather (permute) and a fixed-order device sum
-    # (un-permute) from ep_dispatcher/expert_major.py, i.e. the reference composition on the engine's outputs:
-    # bit-identical to the specification, but the permute pass still happens inside the call. No engine serves these
-    # calls in ``_engines()`` yet, so ``engine_calls()`` does not list them: a fused intranode kernel (rows written
-    # straight into expert-major slots: aligned expert base + earlier source ranks' counts for the expert + the
-    # token's position among this source's tokens for it) is routed here once it exists.
+    # The fused intranode kernels when ``_route`` gives the engine (EP_DISPATCHER_FUSED_EXPERT_MAJOR=1, intranode
+    # buffer, GPU tensors; cached dispatch and combine also need a handle the fused dispatch made, and combine a dtype
+    # the engine sums): the dispatch writes rows straight into expert-major slots (aligned expert base + earlier source
+    # ranks' pairs for the expert + the pair's position among this source's pairs for it), the combine sums each
+    # token's expert-major rows while it pushes the token back (fused un-permute). Otherwise the FALLBACK: the routed
+    # dispatch / cached dispatch / combine above (engine or reference) plus a device gather (permute) and a fixed-order
+    # device sum (un-permute) from ep_dispatcher/expert_major.py, i.e. the reference composition on the engine's
+    # outputs: bit-identical to the specification, but the permute pass still happens inside the call.
     def dispatch_expert_major(self, args: DispatchArgs):
+        engine = self._route("dispatch_expert_major", args.x.device)
+        if engine is not None:
+            return engine.dispatch_expert_major(args)
         return to_expert_major(self.dispatch(args), args.num_experts // self.num_ranks, args.expert_alignment)
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
+        engine = self._fused_handle("cached_dispatch_expert_major", x.device, handle)
+        if engine is not None:
+            return engine.cached_dispatch_expert_major(x, x_scales, handle, config=config)
         recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
         return permute_rows(recv, handle.expert_major), permute_rows(recv_scales, handle.expert_major)
 
     def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        engine = self._fused_handle("combine_expert_major", x.device, handle, dtype=x.dtype)
+        if engine is not None:
+            return engine.combine_expert_major(x, handle, topk_weights, bias, config=config)
         return self.combine(unpermute_sum(x, handle.expert_major), handle, topk_weights, bias, config=config)
+
+    def _fused_handle(
+        self, call: str, device: torch.device, handle: DispatchHandle, dtype: Optional[torch.dtype] = None
+    ) -> Optional[IntranodeEngine]:
+        """The intranode engine when ``call`` routes to it and ``handle`` came from its fused expert-major dispatch
+        (only that one keeps the pair table; a handle the fallback made is served by the fallback), else None."""
+        engine = self._route(call, device, handle=handle, dtype=dtype)
+        if engine is None or getattr(handle.backend_state, "expert_pairs", None) is None:
+            return None
+        return engine
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
     def take_low_latency_error(self) -> Optional[tuple]:

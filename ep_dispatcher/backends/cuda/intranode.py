@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _C
+from ...expert_major import ExpertMajorLayout
 from ...handles import DispatchHandle
 from ..base import DispatchArgs
 from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
@@ -27,6 +28,10 @@ class IntranodeState:
     send_pos: ``[num_tokens, num_ranks] int32``, each token's row among this rank's rows at each destination, ``-1``
         where it is not sent; sent_rows, most_sent: what the combine needs to size its receive region (``most_sent``
         is the most rows any rank gets back when the host knows the counts).
+    expert_pairs, expert_table: only from the fused expert-major dispatch (``dispatch_expert_major``), what its cached
+        dispatch reuses: ``[2, num_tokens, num_topk] int32`` (expert-major row at the destination, destination rank;
+        ``-1`` where the pair is not sent) and the count exchange's ``int32`` expert table (column totals, slot bases,
+        this rank's received pairs per local expert: ``csrc/kernels/intranode.cuh``, ``notify``).
     """
 
     count_matrix: torch.Tensor
@@ -34,6 +39,8 @@ class IntranodeState:
     send_pos: torch.Tensor
     sent_rows: object
     most_sent: int
+    expert_pairs: Optional[torch.Tensor] = None
+    expert_table: Optional[torch.Tensor] = None
 
 
 class IntranodeEngine:
@@ -112,12 +119,7 @@ class IntranodeEngine:
                 self.timeout_ns,
             )
 
-        outputs = run()
-        if outputs[-1] > 0:
-            self._grow_receive_pool(outputs[-1])
-            outputs = run()
-        if outputs[-1] > 0:  # never expected: the outputs of a call that did not run must not be returned
-            raise RuntimeError(f"intranode dispatch: {outputs[-1]} receive-pool bytes needed after growing the pool")
+        outputs = self._run_growing(run)
         (
             recv_x,
             recv_scales,
@@ -155,6 +157,105 @@ class IntranodeEngine:
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
+    def _run_growing(self, run):
+        """``run()`` (a fresh dispatch binding); if it returns a pool size it needs (its last output, the same on every
+        rank), the pools grow together and it runs again (once: the grown pool holds it)."""
+        outputs = run()
+        if outputs[-1] > 0:
+            self._grow_receive_pool(outputs[-1])
+            outputs = run()
+        if outputs[-1] > 0:  # never expected: the outputs of a call that did not run must not be returned
+            raise RuntimeError(f"intranode dispatch: {outputs[-1]} receive-pool bytes needed after growing the pool")
+        return outputs
+
+    def dispatch_expert_major(self, args: DispatchArgs):
+        """Fused expert-major dispatch (docs/fused_permute.md): one C++ entry; each (token, local expert) row is written
+        straight into its expert-major slot on the receiver, and the layout (``row_map``, ``row_pair``) is written by
+        the senders too. The count exchange's wait is the only host wait. Same outputs as
+        ``expert_major.to_expert_major`` applied to ``dispatch``; ``num_tokens_per_expert`` is not needed (the kernel
+        counts the pairs it places)."""
+        outputs = self._run_growing(
+            lambda: _C.intranode_dispatch_expert_major(
+                self.ipc,
+                args.x,
+                args.x_scales,
+                args.topk_idx,
+                args.topk_weights,
+                args.is_token_in_rank,
+                args.num_tokens_per_rank,
+                args.num_experts,
+                args.expert_alignment,
+                kernel_num_sms(args.config),
+                self.timeout_ns,
+            )
+        )
+        (
+            recv_x,
+            recv_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            row_map,
+            row_pair,
+            send_pos,
+            pairs,
+            count_matrix,
+            rank_prefix_matrix,
+            per_expert,
+            expert_table,
+            count_matrix_host,
+            per_expert_list,
+            rows_out,
+            num_rows,
+            sent_rows,
+            most_sent,
+            _,
+        ) = outputs
+        state = IntranodeState(
+            count_matrix=count_matrix,
+            count_matrix_host=count_matrix_host,
+            send_pos=send_pos,
+            sent_rows=sent_rows,
+            most_sent=most_sent,
+            expert_pairs=pairs,
+            expert_table=expert_table,
+        )
+        handle = engine_dispatch_handle(
+            args,
+            self.rank,
+            self.num_ranks_per_node,
+            count_matrix,
+            recv_src_idx,
+            rows_out,
+            per_expert,
+            state,
+            rank_prefix_matrix=rank_prefix_matrix,
+        )
+        layout = ExpertMajorLayout(
+            row_map=row_map,
+            row_pair=row_pair,
+            num_rows=num_rows,
+            num_topk=args.topk_idx.size(1),
+            expert_alignment=args.expert_alignment,
+        )
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle.with_expert_major(layout)
+
+    def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
+        """Cached fused expert-major dispatch (combine's backward): the data phase only, each pair to the row the fresh
+        call placed it in (``IntranodeState.expert_pairs``). Only for handles ``dispatch_expert_major`` made."""
+        state: IntranodeState = handle.backend_state
+        return _C.intranode_dispatch_expert_major_cached(
+            self.ipc,
+            x,
+            x_scales,
+            state.expert_pairs,
+            handle.num_recv_tokens_per_expert,
+            state.expert_table,
+            handle.expert_major.num_rows,
+            kernel_num_sms(config),
+            self.timeout_ns,
+        )
+
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         state: IntranodeState = handle.backend_state
         num_sms = kernel_num_sms(config)
@@ -175,7 +276,14 @@ class IntranodeEngine:
         )
         return recv_x, recv_scales
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+        """Fused expert-major combine: ``x [M, hidden]`` expert-major rows of a handle ``dispatch_expert_major`` made.
+        Each rank sums a received token's rows (``handle.expert_major.row_map``, ascending, fp32, one rounding: as
+        ``expert_major.unpermute_sum``) while it pushes the token back to its source, its own tokens included; the
+        sources' reduce is the normal combine's. Always pushed, also for an ``x`` that lies in the receive pool."""
+        return self.combine(x, handle, topk_weights, bias, config=config, row_map=handle.expert_major.row_map)
+
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None, row_map=None):
         state: IntranodeState = handle.backend_state
         num_sms = kernel_num_sms(config)
         # Every rank checks the most rows any rank gets back (all know the count matrix), so all grow together.
@@ -200,4 +308,5 @@ class IntranodeEngine:
             state.sent_rows,
             num_sms,
             self.timeout_ns,
+            row_map,
         )
