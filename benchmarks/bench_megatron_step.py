@@ -118,11 +118,18 @@ def enable_host_staging(always: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------------- rows
 ROWS = {
     "ours": '(a) ours: moe_token_dispatcher_type="deepep" (ep_dispatcher plugin)',
+    "ours_fused": "(a') ours with the fused permute (EPDispatcherTokenDispatcher.fused_permute, fused engine kernels)",
     "flex_deepep": "(b) Megatron flex dispatcher on real DeepEP v1.2.1",
     "flex_switch": "(c) Megatron flex dispatcher on ep_dispatcher via install_as_deep_ep()",
     "allgather": "Megatron allgather dispatcher",
 }
-DISPATCHER_TYPE = {"ours": "deepep", "flex_deepep": "flex", "flex_switch": "flex", "allgather": "allgather"}
+DISPATCHER_TYPE = {
+    "ours": "deepep",
+    "ours_fused": "deepep",
+    "flex_deepep": "flex",
+    "flex_switch": "flex",
+    "allgather": "allgather",
+}
 DEFAULT_DEEPEP_PATH = os.path.join(REPO, ".deepep", "DeepEP")
 ROW_TIMEOUT_S = 900  # a row whose ranks hang is reported as failed instead of blocking the other rows
 
@@ -350,6 +357,11 @@ def _worker(rank: int, world: int, args) -> dict:
         ep_dispatcher.install_as_deep_ep()  # before megatron-core imports deep_ep
     from megatron.core import parallel_state
 
+    if row == "ours_fused":  # dispatch into expert-major rows, combine from them (docs/fused_permute.md)
+        os.environ["EP_DISPATCHER_FUSED_EXPERT_MAJOR"] = "1"
+        from ep_dispatcher.megatron.token_dispatcher import EPDispatcherTokenDispatcher
+
+        EPDispatcherTokenDispatcher.fused_permute = True
     device = _rank_device(rank, args)
     shim = args.host_staging == "always" or (
         args.host_staging == "auto" and device.type == "cuda" and dist.get_backend() == "gloo"
