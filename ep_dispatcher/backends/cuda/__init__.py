@@ -25,7 +25,7 @@ from ...expert_major import permute_rows, to_expert_major, unpermute_sum
 from ...handles import DispatchHandle, LowLatencyHandle
 from ..base import DispatchArgs, LowLatencyDispatchArgs
 from ..reference import ReferenceBackend
-from .common import COMBINE_DTYPES, reference_view
+from .common import COMBINE_DTYPES, EngineContext, reference_view
 from .internode import (
     InternodeEngine,
     InternodeState,
@@ -40,6 +40,7 @@ from .nvshmem import has_nvshmem
 __all__ = [
     "COMBINE_DTYPES",
     "CudaBackend",
+    "EngineContext",
     "InternodeEngine",
     "InternodeState",
     "IntranodeEngine",
@@ -102,18 +103,17 @@ class CudaBackend:
         self.num_ranks = num_ranks
         self.num_ranks_per_node = num_ranks_per_node
         self.timeout_ns = int(timeout_s * 1e9)
+        ctx = EngineContext(group, rank, num_ranks, num_ranks_per_node, self.timeout_ns)
         self.layout = _LayoutKernel(num_ranks, num_ranks_per_node)
         self.intranode: Optional[IntranodeEngine] = None
         if num_nvl_bytes > 0 and num_ranks <= num_ranks_per_node:
-            self.intranode = IntranodeEngine(group, rank, num_ranks, num_ranks_per_node, num_nvl_bytes, self.timeout_ns)
+            self.intranode = IntranodeEngine(ctx, num_nvl_bytes)
         self.low_latency: Optional[LowLatencyEngine] = None
         self.internode: Optional[InternodeEngine] = None
         if num_rdma_bytes > 0 and _C.has_nvshmem() and low_latency_mode:
-            self.low_latency = LowLatencyEngine(group, rank, num_ranks, num_rdma_bytes, allow_nvlink, self.timeout_ns)
+            self.low_latency = LowLatencyEngine(ctx, num_rdma_bytes, allow_nvlink)
         elif num_rdma_bytes > 0 and _C.has_nvshmem() and num_ranks > num_ranks_per_node and internode_engine_enabled():
-            self.internode = InternodeEngine(
-                group, rank, num_ranks, num_ranks_per_node, num_rdma_bytes, self.timeout_ns
-            )
+            self.internode = InternodeEngine(ctx, num_rdma_bytes)
 
     # The engines' device buffers, by the names tests and benchmarks use (None without that engine).
     @property

@@ -1,11 +1,14 @@
-"""What the intranode and internode engines share: the combine dtypes, the SM count of a call, the handle they
-return, and the reference view of that handle (for the calls the reference backend serves instead)."""
+"""What the engines share: the group they serve (``EngineContext``); and for the intranode and internode engines the
+combine dtypes, the SM count of a call, the handle they return, and the reference view of that handle (for the calls
+the reference backend serves instead)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ...config import Config
 from ...handles import DispatchHandle
@@ -13,6 +16,18 @@ from ..base import DispatchArgs
 from ..reference import ReferenceDispatchState
 
 COMBINE_DTYPES = (torch.bfloat16, torch.float32)  # dtypes the combine kernels sum
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """The group an engine serves, as ``CudaBackend`` was given it: the process group, this rank, the group size, the
+    ranks per NVLink domain, and the device waits' timeout in nanoseconds (``Buffer``'s timeout)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    num_ranks: int
+    num_ranks_per_node: int
+    timeout_ns: int
 
 
 def kernel_num_sms(config: Optional[Config]) -> int:

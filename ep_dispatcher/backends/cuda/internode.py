@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ... import _C, settings
 from ...config import Config
 from ...handles import DispatchHandle
 from ...validation import tokens_per_rank_mismatch
 from ..base import DispatchArgs
-from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 from .nvshmem import init_nvshmem, release_nvshmem
 
 
@@ -79,30 +78,20 @@ class InternodeEngine:
 
     combine_dtypes = COMBINE_DTYPES
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        num_ranks: int,
-        num_ranks_per_node: int,
-        num_rdma_bytes: int,
-        timeout_ns: int,
-    ):
-        if num_ranks > _C.INTERNODE_MAX_RANKS:
+    def __init__(self, ctx: EngineContext, num_rdma_bytes: int):
+        if ctx.num_ranks > _C.INTERNODE_MAX_RANKS:
             raise ValueError(
-                f"num_ranks: the internode engine supports up to {_C.INTERNODE_MAX_RANKS} ranks, got {num_ranks}"
+                f"num_ranks: the internode engine supports up to {_C.INTERNODE_MAX_RANKS} ranks, got {ctx.num_ranks}"
             )
-        if num_ranks_per_node > _C.INTERNODE_MAX_RANKS_PER_NODE:
+        if ctx.num_ranks_per_node > _C.INTERNODE_MAX_RANKS_PER_NODE:
             raise ValueError(
                 f"num_ranks_per_node: the internode engine supports up to {_C.INTERNODE_MAX_RANKS_PER_NODE} ranks "
-                f"per node, got {num_ranks_per_node}"
+                f"per node, got {ctx.num_ranks_per_node}"
             )
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.num_ranks_per_node = num_ranks_per_node
-        init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
+        self.ctx = ctx
+        init_nvshmem(ctx.group, ctx.rank, ctx.num_ranks, num_rdma_bytes)
         self.buffer: "_C.InternodeBuffer" = _C.InternodeBuffer(
-            rank, num_ranks, num_ranks_per_node, num_rdma_bytes, timeout_ns, torch.cuda.current_device()
+            ctx.rank, ctx.num_ranks, ctx.num_ranks_per_node, num_rdma_bytes, ctx.timeout_ns, torch.cuda.current_device()
         )
         self.nvshmem_bytes = num_rdma_bytes
         self._capacity: dict = {}  # hidden_bytes -> tokens per rank the internode buffer holds
@@ -128,8 +117,9 @@ class InternodeEngine:
         nothing waits: a mismatch is kept on the device and raised by the next dispatch that waits for the counts.
         """
         x, num_worst_tokens, num_experts = args.x, args.num_worst_tokens, args.num_experts
+        num_ranks = self.ctx.num_ranks
         send_pos, rdma_send_pos, per_rank_counts, per_node_counts = internode_send_positions(
-            args.is_token_in_rank, self.num_ranks_per_node
+            args.is_token_in_rank, self.ctx.num_ranks_per_node
         )
         counts_check = self._counts_check(per_rank_counts, args.num_tokens_per_rank)
         hidden_bytes = internode_hidden_bytes(x)
@@ -148,11 +138,11 @@ class InternodeEngine:
         if num_worst_tokens == 0:
             # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
             host = torch.cat([count_matrix.view(-1), tokens_of, counts_check]).cpu()
-            count_matrix_host = host[: self.num_ranks**2].view(self.num_ranks, self.num_ranks)
-            tokens_of_host = host[self.num_ranks**2 : self.num_ranks**2 + self.num_ranks]
-            counts_check_host = host[self.num_ranks**2 + self.num_ranks :]
+            count_matrix_host = host[: num_ranks**2].view(num_ranks, num_ranks)
+            tokens_of_host = host[num_ranks**2 : num_ranks**2 + num_ranks]
+            counts_check_host = host[num_ranks**2 + num_ranks :]
             self._check_tokens(hidden_bytes, int(tokens_of_host.max()), everywhere=True)
-            rows_out = int(count_matrix_host[:, self.rank].sum())
+            rows_out = int(count_matrix_host[:, self.ctx.rank].sum())
             if per_expert is not None:
                 per_expert_list = per_expert.tolist()
         else:
@@ -162,7 +152,7 @@ class InternodeEngine:
             args.x_scales,
             args.topk_idx,
             args.topk_weights,
-            (num_experts or self.num_ranks) // self.num_ranks,
+            (num_experts or num_ranks) // num_ranks,
             send_pos,
             rdma_send_pos,
             count_matrix,
@@ -184,7 +174,7 @@ class InternodeEngine:
             tokens_of_host=tokens_of_host,
         )
         handle = engine_dispatch_handle(
-            args, self.rank, self.num_ranks_per_node, count_matrix, recv_src_idx, rows_out, per_expert, state
+            args, self.ctx.rank, self.ctx.num_ranks_per_node, count_matrix, recv_src_idx, rows_out, per_expert, state
         )
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
@@ -195,14 +185,15 @@ class InternodeEngine:
         if num_tokens_per_rank is None:
             num_tokens_per_rank = counts
         if self._pending_counts is None:
-            self._pending_counts = torch.zeros(2 * self.num_ranks, dtype=torch.int32, device=counts.device)
+            self._pending_counts = torch.zeros(2 * self.ctx.num_ranks, dtype=torch.int32, device=counts.device)
         pending = self._pending_counts
-        earlier_bad = (pending[: self.num_ranks] != pending[self.num_ranks :]).any()
+        earlier_bad = (pending[: self.ctx.num_ranks] != pending[self.ctx.num_ranks :]).any()
         pending.copy_(torch.where(earlier_bad, pending, torch.cat([counts, num_tokens_per_rank])))
         return pending
 
     def _raise_counts_mismatch(self, counts_check_host: torch.Tensor) -> None:
-        error = tokens_per_rank_mismatch(counts_check_host[: self.num_ranks], counts_check_host[self.num_ranks :])
+        num_ranks = self.ctx.num_ranks
+        error = tokens_per_rank_mismatch(counts_check_host[:num_ranks], counts_check_host[num_ranks:])
         if error is not None:
             self._pending_counts.zero_()  # reported: the next call starts clean
             raise error
@@ -219,13 +210,13 @@ class InternodeEngine:
         if num_tokens <= capacity:
             return
         need = Config().get_rdma_buffer_size_hint(
-            hidden_bytes, self.num_ranks, self.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
+            hidden_bytes, self.ctx.num_ranks, self.ctx.num_ranks_per_node, num_max_tokens_per_rank=num_tokens
         )
         who = "some rank of the group passes" if everywhere else "this rank passes"
         raise ValueError(
             f"num_rdma_bytes: {who} {num_tokens} tokens, but the internode buffer holds {capacity} tokens per rank "
             f"of {hidden_bytes} hidden bytes; create the Buffer with num_rdma_bytes >= {need} "
-            f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.num_ranks}, {self.num_ranks_per_node}, "
+            f"(Config.get_rdma_buffer_size_hint({hidden_bytes}, {self.ctx.num_ranks}, {self.ctx.num_ranks_per_node}, "
             f"num_max_tokens_per_rank={num_tokens}))"
             + ("" if everywhere else "; the other ranks will time out waiting for this one")
         )

@@ -16,7 +16,7 @@ from ... import _C
 from ...expert_major import ExpertMajorLayout
 from ...handles import DispatchHandle
 from ..base import DispatchArgs
-from .common import COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 
 
 @dataclass(frozen=True)
@@ -43,29 +43,30 @@ class IntranodeState:
     expert_table: Optional[torch.Tensor] = None
 
 
+# The outputs of the fresh dispatch bindings (csrc/intranode_bindings.cpp), in order, by the names
+# IntranodeEngine._dispatch_outputs reads; the last output (receive-pool bytes needed) is left unnamed.
+_FRESH_OUTPUTS = (
+    "recv_x recv_scales recv_topk_idx recv_topk_weights recv_src_idx send_pos count_matrix rank_prefix_matrix "
+    "per_expert count_matrix_host per_expert_list rows_out sent_rows most_sent"
+).split()
+_EXPERT_MAJOR_OUTPUTS = (
+    "recv_x recv_scales recv_topk_idx recv_topk_weights recv_src_idx row_map row_pair send_pos expert_pairs "
+    "count_matrix rank_prefix_matrix per_expert expert_table count_matrix_host per_expert_list rows_out num_rows "
+    "sent_rows most_sent"
+).split()
+
+
 class IntranodeEngine:
     """This rank's CUDA-IPC buffer (signal area + receive pool) and the calls that run on it."""
 
     combine_dtypes = COMBINE_DTYPES
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        num_ranks: int,
-        num_ranks_per_node: int,
-        num_bytes: int,
-        timeout_ns: int,
-    ):
-        if num_ranks > _C.INTRANODE_MAX_RANKS:
+    def __init__(self, ctx: EngineContext, num_bytes: int):
+        if ctx.num_ranks > _C.INTRANODE_MAX_RANKS:
             raise ValueError(
-                f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {num_ranks}"
+                f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {ctx.num_ranks}"
             )
-        self.group = group
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.num_ranks_per_node = num_ranks_per_node
-        self.timeout_ns = timeout_ns
+        self.ctx = ctx
         self.ipc: "_C.IpcBuffer" = self._open_ipc(num_bytes)
 
     def made(self, state: object) -> bool:
@@ -75,11 +76,11 @@ class IntranodeEngine:
     def _open_ipc(self, num_bytes: int) -> "_C.IpcBuffer":
         """This rank's CUDA-IPC buffer (signal area + receive pool of ``num_bytes``), with every peer's mapped
         (collective)."""
-        ipc = _C.IpcBuffer(self.rank, self.num_ranks, num_bytes, torch.cuda.current_device())
-        handles: List[bytes] = [b""] * self.num_ranks
-        dist.all_gather_object(handles, ipc.ipc_handle(), group=self.group)
+        ipc = _C.IpcBuffer(self.ctx.rank, self.ctx.num_ranks, num_bytes, torch.cuda.current_device())
+        handles: List[bytes] = [b""] * self.ctx.num_ranks
+        dist.all_gather_object(handles, ipc.ipc_handle(), group=self.ctx.group)
         ipc.open_peers(handles)
-        dist.barrier(group=self.group)  # every rank has mapped every buffer before anyone writes
+        dist.barrier(group=self.ctx.group)  # every rank has mapped every buffer before anyone writes
         return ipc
 
     def _grow_receive_pool(self, needed_bytes: int) -> None:
@@ -116,46 +117,39 @@ class IntranodeEngine:
                 args.expert_alignment,
                 args.num_worst_tokens,
                 kernel_num_sms(args.config),
-                self.timeout_ns,
+                self.ctx.timeout_ns,
             )
 
-        outputs = self._run_growing(run)
-        (
-            recv_x,
-            recv_scales,
-            recv_topk_idx,
-            recv_topk_weights,
-            recv_src_idx,
-            send_pos,
-            count_matrix,
-            rank_prefix_matrix,
-            per_expert,
-            count_matrix_host,
-            per_expert_list,
-            rows_out,
-            sent_rows,
-            most_sent,
-            _,
-        ) = outputs
+        result, _ = self._dispatch_outputs(args, self._run_growing(run), _FRESH_OUTPUTS)
+        return result
+
+    def _dispatch_outputs(self, args: DispatchArgs, outputs: Sequence, names: Sequence[str]):
+        """What both fresh dispatches return: ``((recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+        per_expert_list, handle), outputs by name)``; the handle holds this engine's state (``expert_pairs`` /
+        ``expert_table`` only from the fused expert-major dispatch)."""
+        out = dict(zip(names, outputs[:-1], strict=True))  # the last (receive-pool bytes needed) is 0 by now
         state = IntranodeState(
-            count_matrix=count_matrix,
-            count_matrix_host=count_matrix_host,
-            send_pos=send_pos,
-            sent_rows=sent_rows,
-            most_sent=most_sent,
+            count_matrix=out["count_matrix"],
+            count_matrix_host=out["count_matrix_host"],
+            send_pos=out["send_pos"],
+            sent_rows=out["sent_rows"],
+            most_sent=out["most_sent"],
+            expert_pairs=out.get("expert_pairs"),
+            expert_table=out.get("expert_table"),
         )
         handle = engine_dispatch_handle(
             args,
-            self.rank,
-            self.num_ranks_per_node,
-            count_matrix,
-            recv_src_idx,
-            rows_out,
-            per_expert,
+            self.ctx.rank,
+            self.ctx.num_ranks_per_node,
+            out["count_matrix"],
+            out["recv_src_idx"],
+            out["rows_out"],
+            out["per_expert"],
             state,
-            rank_prefix_matrix=rank_prefix_matrix,
+            rank_prefix_matrix=out["rank_prefix_matrix"],
         )
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+        recv = (out["recv_x"], out["recv_scales"], out["recv_topk_idx"], out["recv_topk_weights"])
+        return (*recv, out["per_expert_list"], handle), out
 
     def _run_growing(self, run):
         """``run()`` (a fresh dispatch binding); if it returns a pool size it needs (its last output, the same on every
@@ -186,59 +180,18 @@ class IntranodeEngine:
                 args.num_experts,
                 args.expert_alignment,
                 kernel_num_sms(args.config),
-                self.timeout_ns,
+                self.ctx.timeout_ns,
             )
         )
-        (
-            recv_x,
-            recv_scales,
-            recv_topk_idx,
-            recv_topk_weights,
-            recv_src_idx,
-            row_map,
-            row_pair,
-            send_pos,
-            pairs,
-            count_matrix,
-            rank_prefix_matrix,
-            per_expert,
-            expert_table,
-            count_matrix_host,
-            per_expert_list,
-            rows_out,
-            num_rows,
-            sent_rows,
-            most_sent,
-            _,
-        ) = outputs
-        state = IntranodeState(
-            count_matrix=count_matrix,
-            count_matrix_host=count_matrix_host,
-            send_pos=send_pos,
-            sent_rows=sent_rows,
-            most_sent=most_sent,
-            expert_pairs=pairs,
-            expert_table=expert_table,
-        )
-        handle = engine_dispatch_handle(
-            args,
-            self.rank,
-            self.num_ranks_per_node,
-            count_matrix,
-            recv_src_idx,
-            rows_out,
-            per_expert,
-            state,
-            rank_prefix_matrix=rank_prefix_matrix,
-        )
+        (*result, handle), out = self._dispatch_outputs(args, outputs, _EXPERT_MAJOR_OUTPUTS)
         layout = ExpertMajorLayout(
-            row_map=row_map,
-            row_pair=row_pair,
-            num_rows=num_rows,
+            row_map=out["row_map"],
+            row_pair=out["row_pair"],
+            num_rows=out["num_rows"],
             num_topk=args.topk_idx.size(1),
             expert_alignment=args.expert_alignment,
         )
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle.with_expert_major(layout)
+        return (*result, handle.with_expert_major(layout))
 
     def cached_dispatch_expert_major(self, x, x_scales, handle: DispatchHandle, config=None):
         """Cached fused expert-major dispatch (combine's backward): the data phase only, each pair to the row the fresh
@@ -253,7 +206,7 @@ class IntranodeEngine:
             state.expert_table,
             handle.expert_major.num_rows,
             kernel_num_sms(config),
-            self.timeout_ns,
+            self.ctx.timeout_ns,
         )
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
@@ -271,7 +224,7 @@ class IntranodeEngine:
             state.count_matrix,
             handle.num_recv_rows,
             num_sms,
-            self.timeout_ns,
+            self.ctx.timeout_ns,
             False,  # cached: x and scales only
         )
         return recv_x, recv_scales
@@ -307,6 +260,6 @@ class IntranodeEngine:
             handle.num_tokens,
             state.sent_rows,
             num_sms,
-            self.timeout_ns,
+            self.ctx.timeout_ns,
             row_map,
         )

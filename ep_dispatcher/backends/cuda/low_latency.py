@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ... import _C, settings
 from ...handles import LowLatencyHandle
 from ..base import LowLatencyDispatchArgs
+from .common import EngineContext
 from .nvshmem import init_nvshmem, release_nvshmem
 
 
@@ -50,21 +51,12 @@ def low_latency_max_blocks(group: dist.ProcessGroup) -> int:
 class LowLatencyEngine:
     """This rank's NVSHMEM low-latency buffer (``_C.LowLatencyBuffer``) and the calls that run on it."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        num_ranks: int,
-        num_rdma_bytes: int,
-        allow_nvlink: bool,
-        timeout_ns: int,
-    ):
-        self.group = group
-        self.num_ranks = num_ranks
-        init_nvshmem(group, rank, num_ranks, num_rdma_bytes)
-        device = torch.cuda.current_device()
+    def __init__(self, ctx: EngineContext, num_rdma_bytes: int, allow_nvlink: bool):
+        self.ctx = ctx
+        init_nvshmem(ctx.group, ctx.rank, ctx.num_ranks, num_rdma_bytes)
+        device, max_blocks = torch.cuda.current_device(), low_latency_max_blocks(ctx.group)
         self.buffer: "_C.LowLatencyBuffer" = _C.LowLatencyBuffer(
-            rank, num_ranks, num_rdma_bytes, allow_nvlink, timeout_ns, device, low_latency_max_blocks(group)
+            ctx.rank, ctx.num_ranks, num_rdma_bytes, allow_nvlink, ctx.timeout_ns, device, max_blocks
         )
         self.nvshmem_bytes = num_rdma_bytes
         self._combine_views: dict = {}  # (half, shape) -> the zero-copy combine buffer (a view of the half)
@@ -154,8 +146,8 @@ class LowLatencyEngine:
         view = self._combine_views.get(key)
         if view is None:  # a view of the half's send area: made once, asked for on every zero-copy combine
             num_local_experts, num_slots, hidden = shape
-            max_tokens = num_slots // self.num_ranks
-            view = self.buffer.combine_buffer(half, max_tokens, num_local_experts * self.num_ranks, hidden)
+            max_tokens = num_slots // self.ctx.num_ranks
+            view = self.buffer.combine_buffer(half, max_tokens, num_local_experts * self.ctx.num_ranks, hidden)
             self._combine_views[key] = view
         return view
 
@@ -163,5 +155,5 @@ class LowLatencyEngine:
         # NVSHMEM's host barrier inside clean() has no timeout: meet in the process group first (it has one), so
         # a rank that died or diverged turns into an error here instead of a hang.
         torch.cuda.synchronize()
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.ctx.group)
         self.buffer.clean()
