@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import config as _config
-from .backends.base import DispatchArgs, LowLatencyDispatchArgs
+from .backends.base import CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from . import settings
 from .config import NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
@@ -675,7 +675,7 @@ class Buffer:
             async_finish,
             allocate_on_comm_stream,
             [x, topk_weights, *biases],
-            lambda: combine(x, handle, topk_weights, biases, config=config),
+            lambda: combine(CombineArgs(x, handle, topk_weights, tuple(biases), config)),
         )
         return combined, combined_w, event
 
@@ -898,7 +898,7 @@ class Buffer:
         self._ll.enter_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
         half = self._ll.take_half()
         receive = self._backend.low_latency_combine(
-            x, topk_idx, topk_weights, handle, half=half, wait_stats=combine_wait_recv_cost_stats
+            LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, half, combine_wait_recv_cost_stats)
         )
 
         def finish() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from ep_dispatcher.backends.base import CombineArgs
 from ep_dispatcher.handles import DispatchHandle
 
 cuda_backend = pytest.importorskip("ep_dispatcher.backends.cuda", exc_type=ImportError)
@@ -111,8 +112,8 @@ def test_routing_falls_back_to_the_reference_in_one_place(group) -> None:
     g = torch.Generator().manual_seed(17)
     for dtype in (torch.float16, torch.float64):
         y = torch.randn((2, 8), generator=g).to(dtype)
-        expected, _ = backend.reference.combine(y, view, None, [])
-        combined, _ = backend.combine(y, engine_handle, None, [])
+        expected, _ = backend.reference.combine(CombineArgs(y, view))
+        combined, _ = backend.combine(CombineArgs(y, engine_handle))
         assert torch.equal(combined, expected) and combined.dtype == dtype
 
 

@@ -8,7 +8,8 @@ assume well-formed shapes, dtypes and devices; tensor *contents* are checked by 
 
 Handles carry a ``backend_state``: a frozen dataclass of the backend (and engine) that made the handle, opaque to
 everyone else. A fresh dispatch's arguments travel as one frozen ``DispatchArgs`` (a low-latency dispatch's as one
-``LowLatencyDispatchArgs``), built once by ``Buffer`` and passed unchanged to whichever engine or reference serves it.
+``LowLatencyDispatchArgs``), a combine's as one ``CombineArgs`` (``LowLatencyCombineArgs``), built once by ``Buffer``
+and passed unchanged to whichever engine or reference serves it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,39 @@ class LowLatencyDispatchArgs:
     wait_stats: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class CombineArgs:
+    """One high-throughput combine (received order, or expert-major), as ``Buffer.combine`` checked it.
+
+    x: ``[num_recv_rows, hidden]`` (expert-major: ``[M, hidden]``) in one of the backend's ``float_dtypes``; handle:
+    the dispatch's; topk_weights: ``[num_recv_rows, num_topk] float32`` or None; bias: zero, one or two
+    ``[num_tokens, hidden]`` tensors of ``x``'s dtype; config: the call's launch config (its ``num_sms``).
+    """
+
+    x: torch.Tensor
+    handle: DispatchHandle
+    topk_weights: Optional[torch.Tensor] = None
+    bias: Sequence[torch.Tensor] = ()
+    config: Optional[Config] = None
+
+
+@dataclass(frozen=True)
+class LowLatencyCombineArgs:
+    """One low-latency combine, as ``Buffer.low_latency_combine`` checked it.
+
+    x: ``[num_local_experts, num_ranks * max_tokens, hidden] bfloat16``; topk_idx ``[num_tokens, num_topk] int64`` /
+    topk_weights ``float32``: as dispatched; handle: the dispatch's; half: the buffer half (0 or 1); wait_stats:
+    optional ``[num_ranks] int64`` (cycles spun per source rank).
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: LowLatencyHandle
+    half: int = 0
+    wait_stats: Optional[torch.Tensor] = None
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What ``Buffer`` calls on a backend.
@@ -109,14 +143,7 @@ class Backend(Protocol):
         """``(recv_x, recv_x_scales)`` with the layout of ``handle``."""
         ...
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias: Sequence[torch.Tensor],
-        config=None,
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(combined_x, combined_topk_weights or None)``."""
         ...
 
@@ -131,30 +158,15 @@ class Backend(Protocol):
         """``(recv_x [M, ...], recv_x_scales)`` in the expert-major layout of ``handle``."""
         ...
 
-    def combine_expert_major(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias: Sequence[torch.Tensor],
-        config=None,
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Combine of an expert-major ``x [M, hidden]`` (each token's rows summed in row order first)."""
+    def combine_expert_major(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Combine of an expert-major ``args.x [M, hidden]`` (each token's rows summed in row order first)."""
         ...
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> Tuple[LowLatencyHandle, LowLatencyDispatchReceive]:
         """Launch the send phase; returns ``(handle, receive)``."""
         ...
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        half: int = 0,
-        wait_stats: Optional[torch.Tensor] = None,
-    ) -> LowLatencyCombineReceive:
+    def low_latency_combine(self, args: LowLatencyCombineArgs) -> LowLatencyCombineReceive:
         """Launch the send phase; returns ``receive``."""
         ...
 
@@ -178,7 +190,9 @@ class Backend(Protocol):
 
 __all__: List[str] = [
     "Backend",
+    "CombineArgs",
     "DispatchArgs",
+    "LowLatencyCombineArgs",
     "LowLatencyCombineReceive",
     "LowLatencyDispatchArgs",
     "LowLatencyDispatchReceive",

@@ -27,7 +27,7 @@ Payloads travel as ``uint8`` views (gloo has no float8/int16 collectives). Argum
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -38,7 +38,7 @@ from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
 from ..validation import tokens_per_rank_mismatch
 from ..handles import DispatchHandle, LowLatencyHandle
-from .base import DispatchArgs, LowLatencyDispatchArgs
+from .base import CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -294,14 +294,7 @@ class ReferenceBackend:
             recv_x_scales = self._pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
         return recv_x, recv_x_scales
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias: Sequence[torch.Tensor],
-        config=None,
-    ):
+    def combine(self, args: CombineArgs):
         """Sum each token's rows from every rank that received it. Returns ``(combined_x, combined_topk_weights)``.
 
         Order (fp32, fp64 for fp64 input): one node: ``0 + bias_0 + bias_1 + y_r`` over ranks ascending. Several
@@ -309,6 +302,7 @@ class ReferenceBackend:
         ``0 + bias_0 + bias_1 + p_n`` over nodes ascending; nodes/ranks that did not receive the token are skipped.
         One rounding of the total to ``x.dtype``.
         """
+        x, handle, topk_weights, bias = args.x, args.handle, args.topk_weights, args.bias
         state: ReferenceDispatchState = handle.backend_state
         num_recv = state.num_recv
         send_idx, send_counts, recv_counts = state.send_idx, state.send_counts, state.recv_counts
@@ -380,10 +374,10 @@ class ReferenceBackend:
         recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
         return permute_rows(recv, handle.expert_major), permute_rows(recv_scales, handle.expert_major)
 
-    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
-        """Combine of an expert-major ``x [M, H]``: per received token, its rows summed in row order (fp32, one
+    def combine_expert_major(self, args: CombineArgs):
+        """Combine of an expert-major ``args.x [M, H]``: per received token, its rows summed in row order (fp32, one
         rounding to ``x.dtype``), then ``combine``. Returns ``(combined_x, combined_topk_weights)``."""
-        return self.combine(unpermute_sum(x, handle.expert_major), handle, topk_weights, bias, config=config)
+        return self.combine(replace(args, x=unpermute_sum(args.x, args.handle.expert_major)))
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
@@ -481,17 +475,10 @@ class ReferenceBackend:
         )
         return handle, receive
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        half: int = 0,
-        wait_stats: Optional[torch.Tensor] = None,
-    ):
+    def low_latency_combine(self, args: LowLatencyCombineArgs):
         """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``.
         ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it is (0 added), as in ``low_latency_dispatch``."""
+        x, topk_idx, topk_weights, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         state: ReferenceLowLatencyState = handle.backend_state
         hidden = x.size(-1)
         rows = x.reshape(-1, hidden)[state.recv_flat_slot]

@@ -15,7 +15,8 @@ tensors, a buffer without the engine's memory, handles the reference made): ``_r
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from dataclasses import replace
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from ... import _C, settings
 from ...expert_major import permute_rows, to_expert_major, unpermute_sum
 from ...handles import DispatchHandle, LowLatencyHandle
-from ..base import DispatchArgs, LowLatencyDispatchArgs
+from ..base import CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from ..reference import ReferenceBackend
 from .common import COMBINE_DTYPES, EngineContext, reference_view
 from .internode import (
@@ -206,11 +207,11 @@ class CudaBackend:
             return self.reference.cached_dispatch(x, x_scales, reference_view(handle, self.rank))
         return engine.cached_dispatch(x, x_scales, handle, config)
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
-        engine = self._route("combine", x.device, handle=handle, dtype=x.dtype)
+    def combine(self, args: CombineArgs):
+        engine = self._route("combine", args.x.device, handle=args.handle, dtype=args.x.dtype)
         if engine is None:
-            return self.reference.combine(x, reference_view(handle, self.rank), topk_weights, bias)
-        return engine.combine(x, handle, topk_weights, bias, config)
+            return self.reference.combine(replace(args, handle=reference_view(args.handle, self.rank)))
+        return engine.combine(args)
 
     # ------------------------------------------------------------------ expert-major dispatch / combine (fused permute)
     # The fused intranode kernels when ``_route`` gives the engine (EP_DISPATCHER_FUSED_EXPERT_MAJOR=1, intranode
@@ -234,11 +235,11 @@ class CudaBackend:
         recv, recv_scales = self.cached_dispatch(x, x_scales, handle, config=config)
         return permute_rows(recv, handle.expert_major), permute_rows(recv_scales, handle.expert_major)
 
-    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
-        engine = self._fused_handle("combine_expert_major", x.device, handle, dtype=x.dtype)
+    def combine_expert_major(self, args: CombineArgs):
+        engine = self._fused_handle("combine_expert_major", args.x.device, args.handle, dtype=args.x.dtype)
         if engine is not None:
-            return engine.combine_expert_major(x, handle, topk_weights, bias, config=config)
-        return self.combine(unpermute_sum(x, handle.expert_major), handle, topk_weights, bias, config=config)
+            return engine.combine_expert_major(args)
+        return self.combine(replace(args, x=unpermute_sum(args.x, args.handle.expert_major)))
 
     def _fused_handle(
         self, call: str, device: torch.device, handle: DispatchHandle, dtype: Optional[torch.dtype] = None
@@ -260,13 +261,9 @@ class CudaBackend:
         engine = self._route("low_latency_dispatch", args.x.device)
         return (self.reference if engine is None else engine).low_latency_dispatch(args)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0, wait_stats=None):
-        engine = self._route("low_latency_combine", x.device, handle=handle)
-        if engine is None:
-            return self.reference.low_latency_combine(
-                x, topk_idx, topk_weights, handle, half=half, wait_stats=wait_stats
-            )
-        return engine.combine(x, topk_idx, topk_weights, handle, half=half, wait_stats=wait_stats)
+    def low_latency_combine(self, args: LowLatencyCombineArgs):
+        engine = self._route("low_latency_combine", args.x.device, handle=args.handle)
+        return (self.reference if engine is None else engine).low_latency_combine(args)
 
     def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
         engine = self._route("low_latency_combine", device)

@@ -7,7 +7,7 @@ staging area and copy-out on the receive side (csrc/kernels/internode.cuh).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -15,7 +15,7 @@ from ... import _C, settings
 from ...config import Config
 from ...handles import DispatchHandle
 from ...validation import tokens_per_rank_mismatch
-from ..base import DispatchArgs
+from ..base import CombineArgs, DispatchArgs
 from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 from .nvshmem import init_nvshmem, release_nvshmem
 
@@ -250,9 +250,10 @@ class InternodeEngine:
         )
         return recv_x, recv_scales
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+    def combine(self, args: CombineArgs):
+        x, handle, topk_weights, bias = args.x, args.handle, args.topk_weights, args.bias
         state: InternodeState = handle.backend_state
-        num_sms = kernel_num_sms(config)
+        num_sms = kernel_num_sms(args.config)
         bias0 = bias[0].contiguous() if len(bias) > 0 else None
         bias1 = bias[1].contiguous() if len(bias) > 1 else None
         self._check_handle(handle, internode_hidden_bytes(x))

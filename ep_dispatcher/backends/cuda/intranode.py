@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ... import _C
 from ...expert_major import ExpertMajorLayout
 from ...handles import DispatchHandle
-from ..base import DispatchArgs
+from ..base import CombineArgs, DispatchArgs
 from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
 
 
@@ -229,16 +229,17 @@ class IntranodeEngine:
         )
         return recv_x, recv_scales
 
-    def combine_expert_major(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None):
+    def combine_expert_major(self, args: CombineArgs):
         """Fused expert-major combine: ``x [M, hidden]`` expert-major rows of a handle ``dispatch_expert_major`` made.
         Each rank sums a received token's rows (``handle.expert_major.row_map``, ascending, fp32, one rounding: as
         ``expert_major.unpermute_sum``) while it pushes the token back to its source, its own tokens included; the
         sources' reduce is the normal combine's. Always pushed, also for an ``x`` that lies in the receive pool."""
-        return self.combine(x, handle, topk_weights, bias, config=config, row_map=handle.expert_major.row_map)
+        return self.combine(args, row_map=args.handle.expert_major.row_map)
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias: Sequence[torch.Tensor], config=None, row_map=None):
+    def combine(self, args: CombineArgs, row_map: Optional[torch.Tensor] = None):
+        x, handle, topk_weights, bias = args.x, args.handle, args.topk_weights, args.bias
         state: IntranodeState = handle.backend_state
-        num_sms = kernel_num_sms(config)
+        num_sms = kernel_num_sms(args.config)
         # Every rank checks the most rows any rank gets back (all know the count matrix), so all grow together.
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
         row_bytes = x.size(1) * x.element_size()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ... import _C, settings
 from ...handles import LowLatencyHandle
-from ..base import LowLatencyDispatchArgs
+from ..base import LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .common import EngineContext
 from .nvshmem import init_nvshmem, release_nvshmem
 
@@ -121,7 +121,9 @@ class LowLatencyEngine:
 
         return handle, receive
 
-    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, half: int = 0, wait_stats=None):
+    def low_latency_combine(self, args: LowLatencyCombineArgs):
+        """The send phase now; returns ``receive(out)``, which runs the receive phase (the hook)."""
+        x, topk_idx, topk_weights, handle, half = args.x, args.topk_idx, args.topk_weights, args.handle, args.half
         state: LowLatencyState = handle.backend_state
         max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         self.buffer.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
@@ -136,7 +138,7 @@ class LowLatencyEngine:
                 num_experts,
                 out,
                 self.buffer.max_blocks,
-                wait_stats,
+                args.wait_stats,
             )
 
         return receive
