@@ -75,6 +75,23 @@ class LowLatencyDispatchArgs:
     cumulative_stats: Optional[torch.Tensor] = None
     wait_stats: Optional[torch.Tensor] = None
 
+    def make_handle(
+        self, src_info: torch.Tensor, layout_range: torch.Tensor, backend_state: object
+    ) -> LowLatencyHandle:
+        """The handle of this dispatch: its sizes, the receive layout (``src_info``, ``layout_range``) and the state of
+        the backend that ran it."""
+        return LowLatencyHandle(
+            buffer_id=self.buffer_id,
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
+            hidden=self.x.size(1),
+            num_experts=self.num_experts,
+            num_tokens=self.x.size(0),
+            num_topk=self.topk_idx.size(1),
+            backend_state=backend_state,
+        )
+
 
 @dataclass(frozen=True)
 class CombineArgs:

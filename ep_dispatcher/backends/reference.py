@@ -37,7 +37,7 @@ from ..expert_major import permute_rows, to_expert_major, unpermute_sum
 from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
 from ..validation import tokens_per_rank_mismatch
-from ..handles import DispatchHandle, LowLatencyHandle
+from ..handles import DispatchHandle
 from .base import CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 
 
@@ -462,17 +462,8 @@ class ReferenceBackend:
                 e, s = flat_slot // num_slots, flat_slot % num_slots
                 recv_scales[e, s] = received[1]
 
-        handle = LowLatencyHandle(
-            buffer_id=args.buffer_id,
-            src_info=src_info,
-            layout_range=layout_range,
-            num_max_dispatch_tokens_per_rank=max_tokens,
-            hidden=hidden,
-            num_experts=num_experts,
-            num_tokens=num_tokens,
-            num_topk=num_topk,
-            backend_state=ReferenceLowLatencyState(token_of, k_of, send_counts, recv_counts, flat_slot),
-        )
+        state = ReferenceLowLatencyState(token_of, k_of, send_counts, recv_counts, flat_slot)
+        handle = args.make_handle(src_info, layout_range, state)
         return handle, receive
 
     def low_latency_combine(self, args: LowLatencyCombineArgs):

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from ... import _C, settings
-from ...handles import LowLatencyHandle
 from ..base import LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .common import EngineContext
 from .nvshmem import init_nvshmem, release_nvshmem
@@ -80,24 +79,14 @@ class LowLatencyEngine:
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
         """The send phase now; returns ``(handle, receive)``, ``receive`` runs the receive phase (the hook)."""
         x, topk_idx, half, num_experts = args.x, args.topk_idx, args.half, args.num_experts
-        num_tokens, hidden = x.shape
+        hidden = x.size(1)
         max_tokens = args.num_max_dispatch_tokens_per_rank
         # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
         # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
         send_slot, src_info, layout_range = self.buffer.dispatch_send(
             half, x, topk_idx, max_tokens, num_experts, args.use_fp8, args.round_scale
         )
-        handle = LowLatencyHandle(
-            buffer_id=args.buffer_id,
-            src_info=src_info,
-            layout_range=layout_range,
-            num_max_dispatch_tokens_per_rank=max_tokens,
-            hidden=hidden,
-            num_experts=num_experts,
-            num_tokens=num_tokens,
-            num_topk=topk_idx.size(1),
-            backend_state=LowLatencyState(send_slot=send_slot),
-        )
+        handle = args.make_handle(src_info, layout_range, LowLatencyState(send_slot=send_slot))
 
         def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count: torch.Tensor) -> None:
             # The scales are a transposed view of a [E_local, groups, slots] tensor: the kernel writes that storage.
