@@ -2,7 +2,7 @@
 
 Call ``require_extension()`` (or ``require_extension(nvshmem=True)``) at the top of a module, before importing what
 needs the extension: it skips the whole module when there is no GPU, no built ``ep_dispatcher._C`` or (with
-``nvshmem``) no NVSHMEM in that build, and returns ``_C`` otherwise.
+``nvshmem``) no NVSHMEM in that build, and returns ``_C`` otherwise. ``require_gpu()`` skips only without a GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",
 NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200 even without the MPS thread limit
 
 
-def require_extension(nvshmem: bool = False):
-    """``ep_dispatcher._C``, or a module-level skip saying why it cannot run here."""
+def require_gpu() -> None:
+    """A module-level skip when there is no CUDA device (for modules that do not need the extension itself)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def require_extension(nvshmem: bool = False):
+    """``ep_dispatcher._C``, or a module-level skip saying why it cannot run here."""
+    require_gpu()
     try:
         import ep_dispatcher._C as _C
     except ImportError as e:  # pragma: no cover - depends on the build

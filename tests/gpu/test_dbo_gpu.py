@@ -21,11 +21,10 @@ import torch.distributed as dist
 from ep_dispatcher import Buffer
 from ep_dispatcher.dbo import YIELD, MicroBatchOverlap, Recv, Send
 from ep_dispatcher.launch import free_port
+from tests.gpu.common import require_gpu
 
 pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+require_gpu()
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, MAX_TOKENS = 256, 64

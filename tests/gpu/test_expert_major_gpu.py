@@ -19,25 +19,19 @@ import torch
 
 from tests import reference_cases as rc
 from tests.dist import run
+from tests.gpu.common import NUM_SMS, WORLDS, require_extension, set_device
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-try:
-    import ep_dispatcher._C  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"ep_dispatcher._C is not built: {e}", allow_module_level=True)
+require_extension()
 
 from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
 from ep_dispatcher import autograd as ep_autograd  # noqa: E402
 from ep_dispatcher.expert_major import expert_major_layout, permute, permute_probs, unpermute  # noqa: E402
 
-WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
 FUSED = pytest.mark.parametrize("fused", [True, False], ids=["fused", "fallback"])
 FUSED_CALLS = ("dispatch_expert_major", "cached_dispatch_expert_major", "combine_expert_major")
 NUM_NVL_BYTES = 1 << 30  # as tests/gpu/test_intranode_gpu.py
-NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200
 
 
 def _switch(fused: bool) -> None:
@@ -48,11 +42,6 @@ def _switch(fused: bool) -> None:
 def _check_engine_calls(cuda: Buffer, fused: bool) -> None:
     calls = set(cuda.engine_calls)
     assert set(FUSED_CALLS) <= calls if fused else not set(FUSED_CALLS) & calls, f"fused={fused}: {cuda.engine_calls}"
-
-
-def _set_device(rank: int) -> torch.device:
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device, alignment: int, fused: bool) -> None:
@@ -144,7 +133,7 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device, ali
 
 def _compare_worker(rank: int, world: int, seeds, fused: bool) -> int:
     _switch(fused)
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="cuda", timeout_s=60)
     ref = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="reference")
     _check_engine_calls(cuda, fused)
@@ -174,7 +163,7 @@ def _small_pool_worker(rank: int, world: int, fused: bool) -> int:
     """A pool too small for the expert-major outputs grows on every rank together (the fused call returns the size it
     needs), and the result is still the reference's."""
     _switch(fused)
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda = Buffer(None, num_nvl_bytes=1 << 20, backend="cuda", timeout_s=60)
     ref = Buffer(None, num_nvl_bytes=1 << 20, backend="reference")
     cuda._backend.ipc.poison_receive_pool(True)
@@ -194,7 +183,7 @@ def test_expert_major_grows_a_small_pool(world: int, fused: bool) -> None:
 def _input_error_worker(rank: int, world: int, fused: bool) -> list:
     """A bad top-k id on one rank raises ValueError on every rank (none hangs), and the buffer keeps working."""
     _switch(fused)
-    device = _set_device(rank)
+    device = set_device(rank)
     cuda = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="cuda", timeout_s=60)
     ref = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="reference")
     config = Config(NUM_SMS)
@@ -239,7 +228,7 @@ def test_expert_major_bad_contents_raise_on_every_rank(world: int, fused: bool) 
 def _autograd_worker(rank: int, world: int, fused_kernel: bool) -> None:
     """Differentiable fused pair == unfused pair on the CUDA backend: outputs and gradients bit-identical (BF16)."""
     _switch(fused_kernel)
-    device = _set_device(rank)
+    device = set_device(rank)
     buffer = Buffer(None, num_nvl_bytes=NUM_NVL_BYTES, backend="cuda", timeout_s=60)
     case = rc.random_case(777 + world, world, hidden_choices=(2048,))
     x0, topk_idx, w0 = (t.to(device) for t in rc.rank_inputs(case, rank))

@@ -6,24 +6,14 @@ test does not share code, or mistakes, with ep_dispatcher/backends/reference.py.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from tests.gpu.common import require_extension
+
 pytestmark = pytest.mark.gpu
+_C = require_extension()
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-# find_spec imports the ep_dispatcher package itself, so a broken package fails here instead of being skipped;
-# only a missing extension is a reason to skip.
-if importlib.util.find_spec("ep_dispatcher._C") is None:
-    pytest.skip(
-        "ep_dispatcher._C is not built (pip install -e . --no-build-isolation with nvcc and a CUDA torch)",
-        allow_module_level=True,
-    )
-
-from ep_dispatcher import _C  # noqa: E402
 from tests.poison import poison_allocator  # noqa: E402
 
 NUM_RANKS_PER_NODE = 8  # one NVLink domain of 8 GPUs: 16 and 32 ranks produce a per-node (RDMA) output

@@ -9,19 +9,14 @@ element, so never in these sizes), which this test would report with the element
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from tests.gpu.common import require_extension
+
 pytestmark = pytest.mark.gpu
+_C = require_extension()
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-if importlib.util.find_spec("ep_dispatcher._C") is None:
-    pytest.skip("ep_dispatcher._C is not built", allow_module_level=True)
-
-from ep_dispatcher import _C  # noqa: E402
 from ep_dispatcher.logfmt import logfmt_roundtrip  # noqa: E402
 from tests.poison import poison_allocator  # noqa: E402
 

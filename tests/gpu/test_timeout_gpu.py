@@ -13,11 +13,11 @@ import sys
 import textwrap
 
 import pytest
-import torch
+
+from tests.gpu.common import require_gpu
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+require_gpu()
 
 _SCRIPT = textwrap.dedent(
     """
