@@ -178,11 +178,8 @@ class InternodeBuffer {
 
     // Collective (nvshmem_free).
     void destroy() {
-        if (base_ == nullptr) return;
         const c10::cuda::CUDAGuard guard(device_);
-        EP_CUDA_CHECK(cudaDeviceSynchronize());
-        nvshmem_runtime::free(base_);
-        base_ = nullptr;
+        if (!nvshmem_runtime::sync_and_free(base_)) return;
         cudaFree(state_);
         state_ = nullptr;
     }

@@ -162,11 +162,8 @@ class LowLatencyBuffer {
 
     // Collective (nvshmem_free).
     void destroy() {
-        if (base_ == nullptr) return;
         const c10::cuda::CUDAGuard guard(device_);
-        EP_CUDA_CHECK(cudaDeviceSynchronize());
-        nvshmem_runtime::free(base_);
-        base_ = nullptr;
+        if (!nvshmem_runtime::sync_and_free(base_)) return;
         cudaFree(peer_base_);
         cudaFree(state_);
         cudaFreeHost(const_cast<unsigned long long*>(error_host_));

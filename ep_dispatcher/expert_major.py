@@ -29,7 +29,7 @@ accumulation order across ranks is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -164,37 +164,25 @@ def permute_probs(recv_topk_weights: torch.Tensor, layout: ExpertMajorLayout) ->
     return padded.index_select(0, torch.where(layout.row_pair >= 0, layout.row_pair, flat.numel()))
 
 
-class _Permute(torch.autograd.Function):
-    """Expert-major permute of received rows; backward = ``unpermute_sum`` (fp32, fixed order: deterministic)."""
+class _Move(torch.autograd.Function):
+    """A move between received and expert-major rows (``permute_rows`` / ``unpermute_sum``); backward = the other one
+    (``unpermute_sum`` is fp32 in a fixed order: deterministic; ``permute_rows`` copies a row, padding rows zero)."""
 
     @staticmethod
-    def forward(ctx, recv_x: torch.Tensor, layout: ExpertMajorLayout) -> torch.Tensor:
-        ctx.layout = layout
-        return permute_rows(recv_x, layout)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return unpermute_sum(grad.contiguous(), ctx.layout), None
-
-
-class _Unpermute(torch.autograd.Function):
-    """Sum of each token's expert-major rows; backward = ``permute_rows`` (a copy per row, padding rows zero)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, layout: ExpertMajorLayout) -> torch.Tensor:
-        ctx.layout = layout
-        return unpermute_sum(y, layout)
+    def forward(ctx, x: torch.Tensor, layout: ExpertMajorLayout, move: Callable, opposite: Callable) -> torch.Tensor:
+        ctx.layout, ctx.opposite = layout, opposite
+        return move(x, layout)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return permute_rows(grad.contiguous(), ctx.layout), None
+        return ctx.opposite(grad.contiguous(), ctx.layout), None, None, None
 
 
 def permute(recv_x: torch.Tensor, layout: ExpertMajorLayout) -> torch.Tensor:
     """Differentiable :func:`permute_rows` (the unfused path's separate permute pass)."""
-    return _Permute.apply(recv_x, layout)
+    return _Move.apply(recv_x, layout, permute_rows, unpermute_sum)
 
 
 def unpermute(y: torch.Tensor, layout: ExpertMajorLayout) -> torch.Tensor:
     """Differentiable :func:`unpermute_sum` (the unfused path's separate un-permute pass)."""
-    return _Unpermute.apply(y, layout)
+    return _Move.apply(y, layout, unpermute_sum, permute_rows)

@@ -106,4 +106,12 @@ int64_t peer_pointer(void*, int) { throw std::runtime_error(kNoNvshmemMessage); 
 
 #endif
 
+bool sync_and_free(uint8_t*& base) {
+    if (base == nullptr) return false;
+    EP_CUDA_CHECK(cudaDeviceSynchronize());
+    free(base);
+    base = nullptr;
+    return true;
+}
+
 }  // namespace ep::nvshmem_runtime

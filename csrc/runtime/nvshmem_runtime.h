@@ -26,6 +26,10 @@ void finalize();
 void* alloc(int64_t num_bytes);
 void free(void* ptr);
 
+// Collective: a buffer's teardown. Waits for the current device's work (kernels may still use the memory), frees the
+// symmetric memory at `base` and nulls it. Returns false, doing nothing, when `base` is already null (destroyed).
+bool sync_and_free(uint8_t*& base);
+
 // Collective host barrier over all PEs (also completes outstanding NVSHMEM operations).
 void barrier_all();
 
