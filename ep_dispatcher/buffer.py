@@ -10,7 +10,7 @@ got and what it expects), runs the call (on the communication stream when the ca
 from __future__ import annotations
 
 import itertools
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -332,18 +332,11 @@ class Buffer:
     def _check_event(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
         check_event(previous_event, async_finish, allocate_on_comm_stream)
 
-    def _run(
-        self,
-        device: torch.device,
-        previous_event: Optional[EventOverlap],
-        async_finish: bool,
-        allocate_on_comm_stream: bool,
-        inputs: Sequence,
-        call: Callable,
-    ):
-        """``call`` on the right stream (``streams.CommStream.run``); returns ``(result, EventOverlap)``."""
+    def _run(self, *args):
+        """``streams.CommStream.run(device, previous_event, async_finish, allocate_on_comm_stream, inputs, call)`` on
+        this buffer's stream, once the buffer is known to be alive; returns ``(result, EventOverlap)``."""
         self._check_alive()
-        return self._comm.run(device, previous_event, async_finish, allocate_on_comm_stream, inputs, call)
+        return self._comm.run(*args)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(
