@@ -30,6 +30,12 @@ class EngineContext:
     timeout_ns: int
 
 
+def check_engine_limit(argument: str, value: int, limit: int, engine: str, unit: str = "ranks") -> None:
+    """``ValueError`` naming ``argument`` when ``value`` exceeds what the ``engine`` engine's kernels support."""
+    if value > limit:
+        raise ValueError(f"{argument}: the {engine} engine supports up to {limit} {unit}, got {value}")
+
+
 def kernel_num_sms(config: Optional[Config]) -> int:
     """SMs of a data kernel: the call's config. ``Buffer`` always passes one (``Buffer.get_dispatch_config`` /
     ``get_combine_config``, built from ``Buffer.num_sms``, unless the caller gives its own); ``Config()``'s default

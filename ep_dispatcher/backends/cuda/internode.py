@@ -16,7 +16,7 @@ from ...config import Config
 from ...handles import DispatchHandle
 from ...validation import tokens_per_rank_mismatch
 from ..base import CombineArgs, DispatchArgs
-from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+from .common import COMBINE_DTYPES, EngineContext, check_engine_limit, engine_dispatch_handle, kernel_num_sms
 from .nvshmem import init_nvshmem, release_nvshmem
 
 
@@ -79,15 +79,10 @@ class InternodeEngine:
     combine_dtypes = COMBINE_DTYPES
 
     def __init__(self, ctx: EngineContext, num_rdma_bytes: int):
-        if ctx.num_ranks > _C.INTERNODE_MAX_RANKS:
-            raise ValueError(
-                f"num_ranks: the internode engine supports up to {_C.INTERNODE_MAX_RANKS} ranks, got {ctx.num_ranks}"
-            )
-        if ctx.num_ranks_per_node > _C.INTERNODE_MAX_RANKS_PER_NODE:
-            raise ValueError(
-                f"num_ranks_per_node: the internode engine supports up to {_C.INTERNODE_MAX_RANKS_PER_NODE} ranks "
-                f"per node, got {ctx.num_ranks_per_node}"
-            )
+        check_engine_limit("num_ranks", ctx.num_ranks, _C.INTERNODE_MAX_RANKS, "internode")
+        check_engine_limit(
+            "num_ranks_per_node", ctx.num_ranks_per_node, _C.INTERNODE_MAX_RANKS_PER_NODE, "internode", "ranks per node"
+        )
         self.ctx = ctx
         init_nvshmem(ctx.group, ctx.rank, ctx.num_ranks, num_rdma_bytes)
         self.buffer: "_C.InternodeBuffer" = _C.InternodeBuffer(

@@ -16,7 +16,7 @@ from ... import _C
 from ...expert_major import ExpertMajorLayout
 from ...handles import DispatchHandle
 from ..base import CombineArgs, DispatchArgs
-from .common import EngineContext, COMBINE_DTYPES, engine_dispatch_handle, kernel_num_sms
+from .common import COMBINE_DTYPES, EngineContext, check_engine_limit, engine_dispatch_handle, kernel_num_sms
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,7 @@ class IntranodeEngine:
     combine_dtypes = COMBINE_DTYPES
 
     def __init__(self, ctx: EngineContext, num_bytes: int):
-        if ctx.num_ranks > _C.INTRANODE_MAX_RANKS:
-            raise ValueError(
-                f"num_ranks: the intranode engine supports up to {_C.INTRANODE_MAX_RANKS} ranks, got {ctx.num_ranks}"
-            )
+        check_engine_limit("num_ranks", ctx.num_ranks, _C.INTRANODE_MAX_RANKS, "intranode")
         self.ctx = ctx
         self.ipc: "_C.IpcBuffer" = self._open_ipc(num_bytes)
 
@@ -105,13 +102,7 @@ class IntranodeEngine:
         # counts, same smallest pool): the pools grow together and the call runs again (once: the grown pool holds it).
         def run():
             return _C.intranode_dispatch_fresh(
-                self.ipc,
-                args.x,
-                args.x_scales,
-                args.topk_idx,
-                args.topk_weights,
-                args.is_token_in_rank,
-                args.num_tokens_per_rank,
+                *self._fresh_inputs(args),
                 args.num_tokens_per_expert,
                 args.num_experts or 0,
                 args.expert_alignment,
@@ -151,6 +142,18 @@ class IntranodeEngine:
         recv = (out["recv_x"], out["recv_scales"], out["recv_topk_idx"], out["recv_topk_weights"])
         return (*recv, out["per_expert_list"], handle), out
 
+    def _fresh_inputs(self, args: DispatchArgs) -> tuple:
+        """The leading arguments of both fresh dispatch bindings; read per run, since growing replaces ``self.ipc``."""
+        return (
+            self.ipc,
+            args.x,
+            args.x_scales,
+            args.topk_idx,
+            args.topk_weights,
+            args.is_token_in_rank,
+            args.num_tokens_per_rank,
+        )
+
     def _run_growing(self, run):
         """``run()`` (a fresh dispatch binding); if it returns a pool size it needs (its last output, the same on every
         rank), the pools grow together and it runs again (once: the grown pool holds it)."""
@@ -170,13 +173,7 @@ class IntranodeEngine:
         counts the pairs it places)."""
         outputs = self._run_growing(
             lambda: _C.intranode_dispatch_expert_major(
-                self.ipc,
-                args.x,
-                args.x_scales,
-                args.topk_idx,
-                args.topk_weights,
-                args.is_token_in_rank,
-                args.num_tokens_per_rank,
+                *self._fresh_inputs(args),
                 args.num_experts,
                 args.expert_alignment,
                 kernel_num_sms(args.config),
