@@ -6,6 +6,7 @@ ranks of one row, writes raw JSON, and the parent merges the rows, so the real `
 ``deep_ep`` switch of row flex_switch never share an interpreter):
 
     ours         (a) moe_token_dispatcher_type="deepep": our plugin (ep_dispatcher.megatron)
+    ours_unfused (a') the plugin with fused_permute = False and the fused kernels off (separate permute passes)
     flex_deepep  (b) Megatron's flex dispatcher (moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=
                      "deepep", fused_a2a.py) on REAL DeepEP v1.2.1: the child gets --deepep-path first on PYTHONPATH
                      (on the device: .deepep/DeepEP built in place by .deepep/run_side_by_side.sh's build line); our
@@ -35,6 +36,13 @@ unpermute with our fused permute, has no backward and counts 0); these inputs ha
 slowest rank, then the median over the timed steps. "moe" = dispatch + permute + unpermute + combine, forward +
 backward.
 
+Isolated stages (``--isolated-steps``, after the timed steps): when the step is host-bound (Megatron's SequentialMLP
+launches a GEMM per local expert), the ranks drift apart by milliseconds, and the first collective after the expert
+loop (forward combine, backward of combine = dispatch of the gradients) waits that drift out inside its kernel. In
+the plain steps that wait lands in whichever stage comes first, for every dispatcher alike. In the isolated steps
+every stage starts after ``torch.cuda.synchronize()`` and a ``dist.barrier()``, so its time is the dispatcher's own
+cost (host launch + kernels). Their wall times are not in the step median.
+
 Process group: NCCL with one GPU per rank; gloo on CPU and when several ranks share one GPU (NCCL refuses that).
 gloo has no CUDA all_gather_into_tensor / reduce_scatter_tensor, which Megatron's allgather dispatcher calls, so in
 that case this script stages those calls through host memory (see ``enable_host_staging``) and says so: that makes
@@ -55,6 +63,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -118,14 +127,14 @@ def enable_host_staging(always: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------------- rows
 ROWS = {
     "ours": '(a) ours: moe_token_dispatcher_type="deepep" (ep_dispatcher plugin)',
-    "ours_fused": "(a') ours with the fused permute (EPDispatcherTokenDispatcher.fused_permute, fused engine kernels)",
+    "ours_unfused": "(a') ours with separate permute / un-permute passes (fused_permute = False, fused kernels off)",
     "flex_deepep": "(b) Megatron flex dispatcher on real DeepEP v1.2.1",
     "flex_switch": "(c) Megatron flex dispatcher on ep_dispatcher via install_as_deep_ep()",
     "allgather": "Megatron allgather dispatcher",
 }
 DISPATCHER_TYPE = {
     "ours": "deepep",
-    "ours_fused": "deepep",
+    "ours_unfused": "deepep",
     "flex_deepep": "flex",
     "flex_switch": "flex",
     "allgather": "allgather",
@@ -156,12 +165,21 @@ def _first_grad_tensor(obj):
 class StageTimer:
     """Forward and backward time of each token-dispatcher stage, per step (see the module docstring)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, isolate_from: Optional[int] = None) -> None:
         self.device = device
+        self.isolate_from = isolate_from  # steps from this index on are isolated (see _stamp)
+        self.isolate = isolate_from == 0
         self.calls: list[dict] = []  # this step's calls: {"stage", "fwd": [t0, t1], "bwd": [t0, t1]}
         self.per_step: list[dict] = []  # per step: {label: {"fwd": ms, "bwd": ms}}
 
-    def _stamp(self):
+    def _stamp(self, starts: bool = False):
+        if starts and self.isolate:
+            # Isolated step: a stage starts with the device idle and every rank at the same point, so its time is
+            # what the dispatcher costs (host launch + kernels), not the wait for a peer that is still busy with the
+            # host-bound expert loop before it (the skew a plain step's first collective absorbs).
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dist.barrier()
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -189,7 +207,7 @@ class StageTimer:
 
             if grad_in is not None:
                 grad_in.register_hook(backward_ends)
-            call["fwd"][0] = self._stamp()
+            call["fwd"][0] = self._stamp(starts=True)
             out = method(*args, **kwargs)
             call["fwd"][1] = self._stamp()
             grad_out = _first_grad_tensor(out)
@@ -198,7 +216,7 @@ class StageTimer:
             elif grad_out is not None:
 
                 def backward_starts(grad) -> None:
-                    call["bwd"][0] = self._stamp()
+                    call["bwd"][0] = self._stamp(starts=True)
 
                 grad_out.register_hook(backward_starts)
             return out
@@ -228,6 +246,7 @@ class StageTimer:
                 totals[call["stage"]][phase] += self._elapsed_ms(*call[phase])
         self.per_step.append(totals)
         self.calls = []
+        self.isolate = self.isolate_from is not None and step + 1 >= self.isolate_from
 
 
 # ---------------------------------------------------------------------------------------------------- one row
@@ -357,11 +376,11 @@ def _worker(rank: int, world: int, args) -> dict:
         ep_dispatcher.install_as_deep_ep()  # before megatron-core imports deep_ep
     from megatron.core import parallel_state
 
-    if row == "ours_fused":  # dispatch into expert-major rows, combine from them (docs/fused_permute.md)
-        os.environ["EP_DISPATCHER_FUSED_EXPERT_MAJOR"] = "1"
+    if row == "ours_unfused":  # the plugin's path before the fused permute (docs/fused_permute.md)
+        os.environ["EP_DISPATCHER_FUSED_EXPERT_MAJOR"] = "0"
         from ep_dispatcher.megatron.token_dispatcher import EPDispatcherTokenDispatcher
 
-        EPDispatcherTokenDispatcher.fused_permute = True
+        EPDispatcherTokenDispatcher.fused_permute = False
     device = _rank_device(rank, args)
     shim = args.host_staging == "always" or (
         args.host_staging == "auto" and device.type == "cuda" and dist.get_backend() == "gloo"
@@ -378,8 +397,8 @@ def _worker(rank: int, world: int, args) -> dict:
         deep_ep_from = _check_deep_ep(row)
         if row == "flex_deepep":
             rdma_hint_shim = _single_node_rdma_hint_shim()
-    run_args = argparse.Namespace(**{**vars(args), "steps": args.warmup + args.steps})
-    timer = StageTimer(device)
+    run_args = argparse.Namespace(**{**vars(args), "steps": args.warmup + args.steps + args.isolated_steps})
+    timer = StageTimer(device, isolate_from=args.warmup + args.steps)
     on_step = timer.end_step
     if args.profile_dir and rank == 0:
         on_step = _profile_one_step(timer.end_step, args.warmup, os.path.join(args.profile_dir, f"profile_{row}.txt"))
@@ -441,26 +460,38 @@ def _median_of_slowest(per_rank: list[list[float]], warmup: int) -> float:
     return statistics.median(slowest[warmup:])
 
 
+def _stage_medians(ranks: list[dict], steps: slice) -> tuple[float, dict]:
+    """(MoE ms, {label: {"fwd", "bwd"}}): per step the slowest rank, then the median over ``steps``."""
+    stages = {
+        label: {
+            phase: _median_of_slowest([[s[label][phase] for s in r["stages"][steps]] for r in ranks], 0)
+            for phase in ("fwd", "bwd")
+        }
+        for label in MOE_STAGES
+    }
+    moe_per_rank = [
+        [sum(s[label][p] for label in MOE_STAGES for p in ("fwd", "bwd")) for s in r["stages"][steps]] for r in ranks
+    ]
+    return _median_of_slowest(moe_per_rank, 0), stages
+
+
 def _summarise_row(args, ranks: list[dict]) -> dict:
     r0 = ranks[0]
     num_steps = args.warmup + args.steps
     slowest = [max(r["step_s"][i] for r in ranks) for i in range(num_steps)]
     median_s = statistics.median(slowest[args.warmup :])
-    stages = {}
-    for label in MOE_STAGES:
-        stages[label] = {
-            phase: _median_of_slowest([[s[label][phase] for s in r["stages"]] for r in ranks], args.warmup)
-            for phase in ("fwd", "bwd")
-        }
-    moe_per_rank = [
-        [sum(s[label][p] for label in MOE_STAGES for p in ("fwd", "bwd")) for s in r["stages"]] for r in ranks
-    ]
+    moe_ms, stages = _stage_medians(ranks, slice(args.warmup, num_steps))
+    isolated = {}
+    if args.isolated_steps > 0:
+        moe_isolated_ms, stages_isolated = _stage_medians(ranks, slice(num_steps, None))
+        isolated = {"moe_isolated_ms": moe_isolated_ms, "stages_isolated_ms": stages_isolated}
     return {
         "median_step_ms": median_s * 1e3,
         "tokens_per_s": args.ranks * args.tokens / median_s,
         "step_ms": [t * 1e3 for t in slowest],
-        "moe_ms": _median_of_slowest(moe_per_rank, args.warmup),
+        "moe_ms": moe_ms,
         "stages_ms": stages,
+        **isolated,
         "losses": r0["losses"],
         "staged_calls_per_step": {op: n / num_steps for op, n in r0["staged_calls"].items()},
         "buffer": r0["buffer"],
@@ -499,6 +530,8 @@ def _summarise(args, rows: dict) -> dict:
             "step": d["median_step_ms"] / ref["median_step_ms"],
             "moe": d["moe_ms"] / ref["moe_ms"] if ref["moe_ms"] > 0 else None,
         }
+        if ref.get("moe_isolated_ms"):
+            summary["ratios_vs_reference"][name]["moe_isolated"] = d["moe_isolated_ms"] / ref["moe_isolated_ms"]
     errors = [n for n, d in summary["dispatchers"].items() if "error" in d]
     summary["errors"] = errors
     summary["ok"] = not errors and summary["max_loss_diff"] <= summary["tolerance"]
@@ -534,6 +567,20 @@ def _print(args, s: dict) -> None:
             st = d["stages_ms"][label]
             line += f" {st['fwd']:7.2f}/{st['bwd']:<8.2f}"
         print(line)
+    if args.isolated_steps > 0:
+        print(
+            f"  isolated MoE stages: median of {args.isolated_steps} more steps in which every stage starts with the "
+            "device synchronised and the ranks at a barrier (the dispatcher's own cost, without the peer skew a "
+            "plain step's collectives absorb; these steps' wall times are not in 'step ms')"
+        )
+        for name, d in s["dispatchers"].items():
+            if "error" in d:
+                continue
+            line = f"  {name:12s} {'':>9s} {d['moe_isolated_ms']:8.2f}"
+            for label in MOE_STAGES:
+                st = d["stages_isolated_ms"][label]
+                line += f" {st['fwd']:7.2f}/{st['bwd']:<8.2f}"
+            print(line)
     for name, d in s["dispatchers"].items():
         print(
             f"  {name:12s} = {ROWS[name]}; buffer {d.get('buffer')}"
@@ -541,7 +588,8 @@ def _print(args, s: dict) -> None:
         )
     for name, ratio in s["ratios_vs_reference"].items():
         moe = f"{ratio['moe']:.2f}x" if ratio["moe"] is not None else "-"
-        print(f"  {name} / {s['loss_reference']}: step {ratio['step']:.2f}x, moe {moe}")
+        isolated = f", moe isolated {ratio['moe_isolated']:.2f}x" if "moe_isolated" in ratio else ""
+        print(f"  {name} / {s['loss_reference']}: step {ratio['step']:.2f}x, moe {moe}{isolated}")
     names = [n for n, d in s["dispatchers"].items() if "error" not in d]
     if names:
         print("  losses per step: " + "  ".join(f"{n:>12s}" for n in names))
@@ -577,6 +625,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--isolated-steps",
+        type=int,
+        default=3,
+        help="steps after the timed ones in which every MoE stage starts synchronised and behind a barrier "
+        "(the 'isolated' stage breakdown); 0 = none",
+    )
     parser.add_argument(
         "--tokens", type=int, default=64, help="tokens per rank per step = --seq x micro-batch (sets --batch)"
     )

@@ -19,14 +19,14 @@ outputs: per route the expert id, ``-1`` where the capacity limit dropped it, an
 top-k choices, capacity drops, RTS, noisy gating, 2nd-expert sampling, ``l_aux`` and ``exp_counts`` are the same for
 the same RNG state. Gate weights are applied on the expert side (each expert row is scaled by its received weight
 before the unweighted combine), so the weight gradient flows back through dispatch's backward to the gate, as in
-DeepSpeed. By default (``EPMOELayer.fused_permute = False``) the received rows are permuted expert-major in a
+DeepSpeed. With ``EPMOELayer.fused_permute = False`` the received rows are permuted expert-major in a
 separate pass, each local expert runs once on its contiguous rows, and per token the weighted outputs of the experts
 of one rank are summed in top-k order, then the ranks' sums in rank order (fp32 for fp32 data), which equals
-DeepSpeed's route sum up to fp32 rounding. ``EPMOELayer.fused_permute = True`` receives tokens straight into
+DeepSpeed's route sum up to fp32 rounding. ``EPMOELayer.fused_permute = True`` (the default) receives tokens straight into
 expert-major rows (the fused permute, ``Buffer.dispatch(..., expert_major=True)``) and the combine reads the weighted
 rows (rounded to the data dtype) where they are, summing a token's rows in local-expert order (fp32, one rounding);
 ``fixed_order_unpermute = True`` (unfused) runs that same arithmetic as separate passes, bit-identical to the fused
-path. The fused path stays off until its CUDA kernel is GPU-validated (``docs/fused_permute.md``).
+path (``docs/fused_permute.md``).
 
 Not supported (a clear error instead): ``use_tutel=True``; ``enable_expert_tensor_parallelism=True``; a tensor-parallel
 non-expert part (``groups.mpu`` with tensor-parallel size > 1), where DeepSpeed drops and re-gathers duplicate tokens.
@@ -80,13 +80,13 @@ class EPMOELayer(_DeepSpeedMOELayer):
     input); sets ``self.l_aux`` (scalar fp32) and ``self.exp_counts`` ([num_experts] int64), as DeepSpeed's does.
     Instances are made by :class:`MoE` or by :func:`patch` (which changes the class of an existing layer).
 
-    Class attributes: ``fused_permute`` (default False): receive into expert-major rows and combine from them.
+    Class attributes: ``fused_permute`` (default True): receive into expert-major rows and combine from them.
     Unfused, ``fixed_order_unpermute`` (default False) picks the separate passes: False, the original expert-side sum
     (fp32 weighted outputs summed in top-k order); True, ``ep_dispatcher.expert_major.permute`` / ``unpermute`` with
     the fused path's arithmetic (bit-identical to it in outputs and gradients).
     """
 
-    fused_permute: bool = False
+    fused_permute: bool = True
     fixed_order_unpermute: bool = False
 
     def _check_supported(self) -> None:

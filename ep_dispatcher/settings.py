@@ -10,10 +10,10 @@ package is imported (e.g. ``EP_DISPATCHER_RANKS_PER_NODE`` to lay ranks out as v
 - ``EP_DISPATCHER_INTERNODE_ENGINE`` (1): ``0`` makes a Buffer spanning nodes run the reference implementation.
 - ``EP_DISPATCHER_LL_MAX_BLOCKS`` (SMs / ranks on the GPU): cap on the low-latency grids, whose blocks spin, so
   every rank's blocks must be resident together.
-- ``EP_DISPATCHER_FUSED_EXPERT_MAJOR`` (0): ``1`` makes the intranode CUDA engine serve ``dispatch(...,
-  expert_major=True)`` and its cached dispatch with the fused kernel (rows written straight into their expert-major
-  slots, docs/fused_permute.md); ``0`` keeps the fallback (engine dispatch + device permute). Off until the kernel is
-  validated on a GPU. Read when a call is routed, so a spawned rank may set it after the import.
+- ``EP_DISPATCHER_FUSED_EXPERT_MAJOR`` (1): the intranode CUDA engine serves ``dispatch(..., expert_major=True)``,
+  its cached dispatch and its combine with the fused kernels (rows written straight into their expert-major slots,
+  docs/fused_permute.md); ``0`` runs the fallback instead (engine dispatch + device permute, bit-identical). Read when
+  a call is routed, so a spawned rank may set it after the import; every rank of a group must see the same value.
 - ``EP_DISPATCHER_MEGATRON_BACKEND``, ``EP_DISPATCHER_DEEPSPEED_BACKEND`` (auto): the plugins' ``Buffer(backend=)``.
 - ``NVSHMEM_SYMMETRIC_SIZE`` (``num_rdma_bytes`` + 256 MiB): NVSHMEM's heap, sized once per process at its init.
 """
@@ -44,7 +44,7 @@ def internode_engine_enabled() -> bool:
 
 
 def fused_expert_major() -> bool:
-    return os.environ.get("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "0") == "1"
+    return os.environ.get("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "1") != "0"
 
 
 def low_latency_max_blocks() -> Optional[int]:

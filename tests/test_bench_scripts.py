@@ -64,15 +64,16 @@ def test_bench_megatron_step_cpu(tmp_path):
         str(tmp_path / "megatron.json"),
         *("--steps", "2", "--warmup", "1", "--layers", "1", "--hidden", "32", "--heads", "4"),
         *("--experts", "4", "--topk", "2", "--seq", "16", "--tokens", "32", "--vocab", "64", "--moe-ffn", "48"),
-        *("--host-staging", "always", "--rows", "ours,flex_switch,allgather"),
+        *("--host-staging", "always", "--rows", "ours,flex_switch,allgather", "--isolated-steps", "2"),
     )
     assert result["process_group"] == "gloo" and result["devices"] == ["cpu"] and result["host_staging"] is True
     assert result["rows"] == ["ours", "flex_switch", "allgather"] and result["errors"] == []
     assert set(result["dispatchers"]) == {"ours", "flex_switch", "allgather"}
     for row in result["dispatchers"].values():
         assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step", "moe_ms", "stages_ms"} <= set(row)
-        assert row["median_step_ms"] > 0 and len(row["losses"]) == 3
-        assert set(row["stages_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
+        assert row["median_step_ms"] > 0 and len(row["losses"]) == 5  # warm-up + timed + isolated steps
+        assert set(row["stages_ms"]) == set(row["stages_isolated_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
+        assert row["stages_isolated_ms"]["dispatch"]["fwd"] > 0 and row["moe_isolated_ms"] > 0
         for label, stage in row["stages_ms"].items():
             assert stage["fwd"] > 0 and stage["bwd"] >= 0, label  # every stage timed; identity stages: no backward
             if label in ("dispatch", "combine"):
@@ -85,7 +86,8 @@ def test_bench_megatron_step_cpu(tmp_path):
     assert flex["buffer"]["buffer_type"] == "ep_dispatcher.buffer.Buffer"  # the switch made Megatron use ours
     assert flex["deep_ep"].endswith(os.path.join("ep_dispatcher", "__init__.py"))
     assert ours["buffer"]["backend"] == "reference"
-    assert len(flex["loss_diff_per_step"]) == 3 and set(result["ratios_vs_reference"]) == {"flex_switch", "allgather"}
+    assert len(flex["loss_diff_per_step"]) == 5 and set(result["ratios_vs_reference"]) == {"flex_switch", "allgather"}
+    assert all("moe_isolated" in ratio for ratio in result["ratios_vs_reference"].values())
     assert result["loss_reference"] == "ours"
     assert result["tolerance"] == 1e-5  # fp32: the example's tolerance (summation order only)
     assert result["max_loss_diff"] <= result["tolerance"] and result["ok"] is True

@@ -71,9 +71,11 @@ def test_backends_follow_the_interface(group) -> None:
     assert isinstance(cuda_backend.CudaBackend(group, 0, 1, 1), Backend)
 
 
-def test_routing_falls_back_to_the_reference_in_one_place(group) -> None:
+def test_routing_falls_back_to_the_reference_in_one_place(group, monkeypatch) -> None:
     """Which engine serves a call: no GPU needed, the routing is host logic (engines stood in for by fakes)."""
     from ep_dispatcher.backends.reference import ReferenceDispatchState
+
+    monkeypatch.setenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "0")  # the fused calls: the test below
 
     backend = cuda_backend.CudaBackend(group, 0, 1, 1)  # no bytes: no engine but the layout kernel
     assert backend.engine_calls() == ("get_dispatch_layout",)
@@ -125,9 +127,13 @@ def test_fused_expert_major_is_routed_only_when_switched_on(group, monkeypatch) 
     gpu = torch.device("cuda", 0)
     engine = backend.intranode = _FakeEngine(cuda_backend.IntranodeState)
     fused_calls = ("dispatch_expert_major", "cached_dispatch_expert_major", "combine_expert_major")
-    monkeypatch.delenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", raising=False)
-    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine"), "off by default"
+    monkeypatch.setenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "0")
+    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine"), "switched off"
     assert backend._route("dispatch_expert_major", gpu) is None
+    monkeypatch.delenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", raising=False)
+    assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", *fused_calls), (
+        "on by default"
+    )
     monkeypatch.setenv("EP_DISPATCHER_FUSED_EXPERT_MAJOR", "1")
     assert backend.engine_calls() == ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", *fused_calls)
     assert backend._route("dispatch_expert_major", gpu) is engine

@@ -311,6 +311,7 @@ def _fused_permute_worker(rank: int, world: int, k: int, dtype_name: str) -> Non
     dtype = getattr(torch, dtype_name)
     x = torch.randn(3, 10, H, generator=torch.Generator().manual_seed(rank)).to(dtype)
     results = {}
+    defaults = (ep_ds.EPMOELayer.fused_permute, ep_ds.EPMOELayer.fixed_order_unpermute)
     for fused in (True, False):
         ep_ds.EPMOELayer.fused_permute = fused
         ep_ds.EPMOELayer.fixed_order_unpermute = not fused  # the fused path's arithmetic as separate passes
@@ -323,8 +324,8 @@ def _fused_permute_worker(rank: int, world: int, k: int, dtype_name: str) -> Non
             out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9 + rank)).to(dtype))
             results[fused] = (out.detach(), l_aux.detach(), x_in.grad, {n: p.grad for n, p in moe.named_parameters()})
         finally:
-            ep_ds.EPMOELayer.fused_permute = False
-            ep_ds.EPMOELayer.fixed_order_unpermute = False
+            ep_ds.EPMOELayer.fused_permute = defaults[0]
+            ep_ds.EPMOELayer.fixed_order_unpermute = defaults[1]
     (o_f, l_f, gx_f, gp_f), (o_u, l_u, gx_u, gp_u) = results[True], results[False]
     assert torch.equal(o_f, o_u) and torch.equal(l_f, l_u) and torch.equal(gx_f, gx_u)
     for name in gp_f:
@@ -333,9 +334,9 @@ def _fused_permute_worker(rank: int, world: int, k: int, dtype_name: str) -> Non
     ep_ds.clear_buffers()
 
 
-def test_fused_permute_is_off_by_default():
-    """Until the fused CUDA kernel is GPU-validated the drop-in runs main's unfused expert-side sum."""
-    assert ep_ds.EPMOELayer.fused_permute is False and ep_ds.EPMOELayer.fixed_order_unpermute is False
+def test_fused_permute_is_on_by_default():
+    """The drop-in dispatches straight into expert-major rows unless told otherwise (GPU-validated fused kernels)."""
+    assert ep_ds.EPMOELayer.fused_permute is True and ep_ds.EPMOELayer.fixed_order_unpermute is False
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -325,11 +325,11 @@ def _round_trip(dispatcher, rank: int, tp: int) -> None:
 
 
 @requires_megatron
-def test_fused_permute_is_off_by_default():
-    """Until the fused CUDA kernel is GPU-validated the plugin runs main's unfused path (index_select / index_add)."""
+def test_fused_permute_is_on_by_default():
+    """The plugin dispatches straight into expert-major rows unless told otherwise (GPU-validated fused kernels)."""
     from ep_dispatcher.megatron import EPDispatcherTokenDispatcher
 
-    assert EPDispatcherTokenDispatcher.fused_permute is False
+    assert EPDispatcherTokenDispatcher.fused_permute is True
     assert EPDispatcherTokenDispatcher.fixed_order_unpermute is False
 
 
@@ -474,6 +474,7 @@ def _fused_permute_worker(rank: int, world: int, tp: int, cases: list) -> None:
     _setup_rank(tp, world // tp)
     for seed, case in enumerate(cases):
         results = {}
+        defaults = (EPDispatcherTokenDispatcher.fused_permute, EPDispatcherTokenDispatcher.fixed_order_unpermute)
         for fused in (True, False):
             EPDispatcherTokenDispatcher.fused_permute = fused
             EPDispatcherTokenDispatcher.fixed_order_unpermute = not fused  # the fused path's arithmetic, unfused
@@ -487,8 +488,8 @@ def _fused_permute_worker(rank: int, world: int, tp: int, cases: list) -> None:
                 out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
                 results[fused] = (out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
             finally:
-                EPDispatcherTokenDispatcher.fused_permute = False
-                EPDispatcherTokenDispatcher.fixed_order_unpermute = False
+                EPDispatcherTokenDispatcher.fused_permute = defaults[0]
+                EPDispatcherTokenDispatcher.fixed_order_unpermute = defaults[1]
         (out_f, dx_f, grads_f), (out_u, dx_u, grads_u) = results[True], results[False]
         assert torch.equal(out_f, out_u), case
         assert torch.equal(dx_f, dx_u), case

@@ -62,9 +62,9 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
 
     Permute modes (class attributes; set them on the class (all layers) or an instance before its first forward):
 
-    * ``fused_permute`` (default False until the fused CUDA kernel is GPU-validated, ``docs/fused_permute.md``):
-      dispatch straight into expert-major rows and combine from them (``Buffer.dispatch(..., expert_major=True)``),
-      so no separate permute / un-permute pass runs in the plugin.
+    * ``fused_permute`` (default True, ``docs/fused_permute.md``): dispatch straight into expert-major rows and
+      combine from them (``Buffer.dispatch(..., expert_major=True)``), so no separate permute / un-permute pass runs
+      in the plugin; outputs and gradients bit-identical to ``fixed_order_unpermute = True`` below.
     * unfused (``fused_permute = False``), ``fixed_order_unpermute = False`` (default): separate passes, the
       original implementation: an ``index_select`` permute and an ``index_add`` un-permute (fp32 accumulation; on
       the GPU ``index_add`` uses atomics, so the summation order of a token's local-expert rows is not fixed).
@@ -73,7 +73,7 @@ class EPDispatcherTokenDispatcher(MoETokenDispatcher):
       path in outputs and gradients.
     """
 
-    fused_permute: bool = False
+    fused_permute: bool = True
     fixed_order_unpermute: bool = False
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None) -> None:

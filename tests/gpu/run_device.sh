@@ -84,10 +84,11 @@ build_deepep() {
 megatron_rows() {
     build_deepep || { rc=1; return; }
     for r in ${EP_MEGATRON_RANKS:-2 4}; do
-        bench 280 benchmarks/bench_megatron_step.py --device cuda --ranks "$r" --rows ours,ours_fused,flex_deepep,flex_switch \
+        bench "${EP_MEGATRON_TIMEOUT:-420}" benchmarks/bench_megatron_step.py --device cuda --ranks "$r" \
+            --rows "${EP_MEGATRON_ROWS:-ours,flex_deepep,flex_switch,ours_unfused}" \
             --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 \
-            --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --steps ${EP_MEGATRON_STEPS:-8} --warmup 3 --row-timeout 90 \
-            --profile-dir "$OUT/megatron_profile_$r" --out "$OUT/bench_megatron_rows_$r.json"
+            --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --steps ${EP_MEGATRON_STEPS:-8} --warmup 8 --isolated-steps 3 \
+            --row-timeout 120 --profile-dir "$OUT/megatron_profile_$r" --out "$OUT/bench_megatron_rows_$r.json"
     done
 }
 internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then as 4 nodes x 2
