@@ -19,12 +19,12 @@ outputs: per route the expert id, ``-1`` where the capacity limit dropped it, an
 top-k choices, capacity drops, RTS, noisy gating, 2nd-expert sampling, ``l_aux`` and ``exp_counts`` are the same for
 the same RNG state. Gate weights are applied on the expert side (each expert row is scaled by its received weight
 before the unweighted combine), so the weight gradient flows back through dispatch's backward to the gate, as in
-DeepSpeed. With ``EPMOELayer.fused_permute = False`` the received rows are permuted expert-major in a
-separate pass, each local expert runs once on its contiguous rows, and per token the weighted outputs of the experts
-of one rank are summed in top-k order, then the ranks' sums in rank order (fp32 for fp32 data), which equals
-DeepSpeed's route sum up to fp32 rounding. ``EPMOELayer.fused_permute = True`` (the default) receives tokens straight into
-expert-major rows (the fused permute, ``Buffer.dispatch(..., expert_major=True)``) and the combine reads the weighted
-rows (rounded to the data dtype) where they are, summing a token's rows in local-expert order (fp32, one rounding);
+DeepSpeed. With ``EPMOELayer.fused_permute = False`` the received rows are permuted expert-major in a separate pass,
+each local expert runs once on its contiguous rows, and per token the weighted outputs of the experts of one rank are
+summed in top-k order, then the ranks' sums in rank order (fp32 for fp32 data), which equals DeepSpeed's route sum up
+to fp32 rounding. ``EPMOELayer.fused_permute = True`` (the default) receives tokens straight into expert-major rows
+(the fused permute, ``Buffer.dispatch(..., expert_major=True)``) and the combine reads the weighted rows (rounded to
+the data dtype) where they are, summing a token's rows in local-expert order (fp32, one rounding);
 ``fixed_order_unpermute = True`` (unfused) runs that same arithmetic as separate passes, bit-identical to the fused
 path (``docs/fused_permute.md``).
 

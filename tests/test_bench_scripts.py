@@ -72,7 +72,9 @@ def test_bench_megatron_step_cpu(tmp_path):
     for row in result["dispatchers"].values():
         assert {"median_step_ms", "tokens_per_s", "losses", "staged_calls_per_step", "moe_ms", "stages_ms"} <= set(row)
         assert row["median_step_ms"] > 0 and len(row["losses"]) == 5  # warm-up + timed + isolated steps
-        assert set(row["stages_ms"]) == set(row["stages_isolated_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
+        assert (
+            set(row["stages_ms"]) == set(row["stages_isolated_ms"]) == {"dispatch", "permute", "unpermute", "combine"}
+        )
         assert row["stages_isolated_ms"]["dispatch"]["fwd"] > 0 and row["moe_isolated_ms"] > 0
         for label, stage in row["stages_ms"].items():
             assert stage["fwd"] > 0 and stage["bwd"] >= 0, label  # every stage timed; identity stages: no backward
