@@ -215,6 +215,7 @@ def _cuda_extension_kwargs(version: str) -> dict:
         "csrc/runtime/driver_api.cpp",
         "csrc/runtime/ipc_buffer.cpp",
         "csrc/runtime/recv_pool.cpp",
+        "csrc/runtime/timeout_record.cpp",
         # Always compiled: without EP_DISPATCHER_WITH_NVSHMEM it holds stubs that raise a clear error.
         "csrc/runtime/nvshmem_runtime.cpp",
     ]

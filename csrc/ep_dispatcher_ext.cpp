@@ -25,6 +25,7 @@
 #include "kernels/layout.cuh"
 #include "kernels/logfmt.cuh"
 #include "runtime/nvshmem_runtime.h"
+#include "runtime/timeout_record.h"
 
 namespace py = pybind11;
 
@@ -177,5 +178,8 @@ Raises ValueError for bad arguments, RuntimeError for CUDA errors.)doc");
         "version", []() { return std::string(EP_STRINGIFY(EP_DISPATCHER_VERSION)); },
         "Version of ep_dispatcher this extension was built from.");
 
+    m.def("timeout_report", &ep::sync::timeout_report,
+          "The first timed-out wait of this process (rank, peer, stage, epoch), read from host memory: it survives the "
+          "trap that faults the CUDA context. Empty if no wait timed out.");
     m.def("cuda_arch_list", &ep::cuda_arch_list, "CUDA architectures compiled in, ';'-separated (e.g. \"90\" or \"90;90a;100\").");
 }

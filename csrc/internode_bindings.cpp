@@ -15,6 +15,7 @@
 #include "kernels/intranode.cuh"
 #include "binding_checks.h"
 #include "runtime/nvshmem_runtime.h"
+#include "runtime/timeout_record.h"
 
 namespace py = pybind11;
 
@@ -37,6 +38,7 @@ class InternodeBuffer {
         TORCH_CHECK_VALUE(num_bytes >= zero.total_bytes, "num_rdma_bytes: the internode engine needs at least ", zero.total_bytes,
                           " bytes, got ", num_bytes);
         const c10::cuda::CUDAGuard guard(device);
+        sync::install_timeout_record(device);
         base_ = static_cast<uint8_t*>(nvshmem_runtime::alloc(num_bytes));
         ctx_.local = base_;
         ctx_.rank = rank;

@@ -19,6 +19,7 @@
 #include "kernels/intranode.cuh"
 #include "kernels/stages.h"
 #include "runtime/ipc_buffer.h"
+#include "runtime/timeout_record.h"
 
 namespace py = pybind11;
 
@@ -169,12 +170,14 @@ void wait_for_report(const IpcBuffer& buffer, int tag, cudaStream_t stream, int6
         if (spins % kSpinsPerCheck != 0) continue;
         const cudaError_t state = cudaStreamQuery(stream);
         if (state != cudaSuccess && state != cudaErrorNotReady) {
-            // A synchronizing call flushes the device's printf buffer into stdout, and stdout is flushed (a pipe buffers,
-            // and a spawned rank may end with os._exit): the kernel's own report (peer, stage) comes out.
+            // A synchronizing call flushes what the device printed into stdout, and stdout is flushed (a pipe buffers,
+            // and a spawned rank may end with os._exit). The error names peer and stage from the timeout record, which
+            // survives the trap even when the printf buffer does not.
             cudaStreamSynchronize(stream);
             std::fflush(stdout);
-            TORCH_CHECK(false, "ep_dispatcher: rank ", buffer.rank(), ": the stream faulted while the host waited for the count exchange: ",
-                        cudaGetErrorString(state), " (a kernel timeout prints the peer and stage it waited for)");
+            const std::string report = sync::timeout_report();
+            TORCH_CHECK(false, report.empty() ? "" : report + "; ", "ep_dispatcher: rank ", buffer.rank(),
+                        ": the stream faulted while the host waited for the count exchange: ", cudaGetErrorString(state));
         }
         if (state == cudaSuccess && *published != tag) break;  // cannot happen: the stream ran notify; re-read below
         const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();

@@ -14,6 +14,7 @@
 #include "kernels/low_latency.cuh"
 #include "binding_checks.h"
 #include "runtime/nvshmem_runtime.h"
+#include "runtime/timeout_record.h"
 
 namespace py = pybind11;
 
@@ -28,6 +29,7 @@ class LowLatencyBuffer {
         EP_HOST_ASSERT(num_ranks <= low_latency::kMaxRanks, "low-latency kernels support up to ", low_latency::kMaxRanks, " ranks");
         TORCH_CHECK_VALUE(max_blocks >= 1, "max_blocks: expected >= 1, got ", max_blocks);
         const c10::cuda::CUDAGuard guard(device);
+        sync::install_timeout_record(device);
         base_ = static_cast<uint8_t*>(nvshmem_runtime::alloc(num_bytes));
         std::vector<int64_t> peers(num_ranks, 0);
         for (int pe = 0; pe < num_ranks; ++pe) {

@@ -61,6 +61,11 @@ def test_nvshmem_unique_id_or_clear_error():
             extension.nvshmem_get_unique_id()
 
 
+def test_timeout_report_is_empty_until_a_wait_times_out():
+    # The GPU timeout test (tests/gpu/test_timeout_gpu.py) checks a filled record; here no kernel ever waited.
+    assert _extension_module().timeout_report() == ""
+
+
 def test_cpu_tensor_is_rejected_with_value_error():
     extension = _extension_module()
     topk_idx = torch.zeros(4, 2, dtype=torch.int64)

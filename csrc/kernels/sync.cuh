@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "stages.h"
+#include "../runtime/timeout_record.h"
 
 namespace ep::sync {
 
@@ -48,29 +49,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-__device__ __forceinline__ const char* stage_name(int stage) {
-    switch (stage) {
-        case kStageNotifyCounts: return "notify: waiting for peers' counts";
-        case kStageDispatchData: return "dispatch: waiting for peers' token writes";
-        case kStageCombineReady: return "combine: waiting for peers to be ready to receive";
-        case kStageCombineData: return "combine: waiting for peers' expert outputs";
-        case kStageDispatchReady: return "dispatch: waiting for peers' receive offsets";
-        case kStageCombineDone: return "combine: waiting for peers to finish reading this rank's expert outputs";
-        case kStageInternodeNotify: return "notify: waiting for the peer's counts";
-        case kStageInternodeDispatchStart: return "cached dispatch: waiting for the peer to finish its previous call";
-        case kStageInternodeDispatchSent: return "dispatch: waiting for the peer's RDMA puts";
-        case kStageInternodeDispatchForwarded: return "dispatch: waiting for the peer's NVLink forwarding";
-        case kStageInternodeCombineStart: return "combine: waiting for the peer to finish its previous call";
-        case kStageInternodeCombineNvl: return "combine: waiting for the peer's expert outputs (NVLink leg)";
-        case kStageInternodeCombineRdma: return "combine: waiting for the peer's node partials (RDMA leg)";
-        case kStageLowLatencyDispatchSend: return "dispatch send: waiting for the peer to read this half's previous use";
-        case kStageLowLatencyDispatchRecv: return "dispatch receive: waiting for the peer's token count";
-        case kStageLowLatencyCombineSend: return "combine send: waiting for the peer to read this half's previous use";
-        case kStageLowLatencyCombineRecv: return "combine receive: waiting for the expert's outputs";
-        default: return "unknown stage";
-    }
-}
-
 // Who waits for whom, for a timeout report (besides the stage and the epoch).
 struct WaitSite {
     int stage;        // Stage: what is awaited
@@ -81,12 +59,43 @@ struct WaitSite {
     int half = -1;    // low latency: the buffer half
 };
 
+// This kernel file's pointer to the process's timeout record (runtime/timeout_record.h), and whether a wait of this
+// file already filled it: the first report wins, later ones only print. Static: each kernel file has its own copy,
+// which its installer (registered at static initialisation) sets.
+static __device__ TimeoutRecord* g_timeout_record = nullptr;
+static __device__ int g_timeout_recorded = 0;
+namespace {
+cudaError_t install_timeout_record_in_this_file(TimeoutRecord* record) {
+    return cudaMemcpyToSymbol(g_timeout_record, &record, sizeof(record));
+}
+[[maybe_unused]] const bool timeout_record_installer_registered = register_timeout_record_installer(&install_timeout_record_in_this_file);
+}  // namespace
+
+// Leaves the report where the host finds it after the trap (the printf buffer may be lost with the context).
+__device__ __forceinline__ void record_timeout(const WaitSite& site, long long timeout_ms, unsigned long long epoch,
+                                               unsigned long long have) {
+    TimeoutRecord* record = g_timeout_record;
+    if (record == nullptr || atomicCAS(&g_timeout_recorded, 0, 1) != 0 || record->ready != 0) return;
+    record->stage = site.stage;
+    record->rank = site.rank;
+    record->peer = site.peer;
+    record->node = site.node;
+    record->expert = site.expert;
+    record->half = site.half;
+    record->timeout_ms = timeout_ms;
+    record->epoch = epoch;
+    record->have = have;
+    __threadfence_system();
+    store_release_sys(&record->ready, 1);
+}
+
 // The timeout report: one line naming timeout, rank, peer, stage, the epoch awaited and the value last seen, in the
 // words of the stage's engine (internode ranks also name their node; low-latency waits their expert and half, and
 // compare the upper 32 bits of a signal with the low 32 bits of the epoch).
 __device__ __forceinline__ void report_timeout(const WaitSite& site, int64_t timeout_ns, unsigned long long epoch,
                                                unsigned long long have) {
     const long long ms = static_cast<long long>(timeout_ns / 1000000);
+    record_timeout(site, ms, epoch, have);
     switch (stage_engine(site.stage)) {
         case Engine::kIntranode:
             printf("ep_dispatcher: timeout after %lld ms on rank %d waiting for peer %d, stage '%s' (epoch %llu, have %llu)\n", ms,

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "../kernels/common.cuh"
+#include "timeout_record.h"
 
 namespace ep {
 
@@ -16,6 +17,7 @@ IpcBuffer::IpcBuffer(int rank, int num_ranks, int64_t num_data_bytes, int device
     EP_HOST_ASSERT(rank >= 0 && rank < num_ranks, "rank must be in [0, num_ranks), got ", rank);
     EP_HOST_ASSERT(num_data_bytes >= 0, "num_nvl_bytes must be >= 0, got ", num_data_bytes);
     EP_CUDA_CHECK(cudaSetDevice(device));
+    sync::install_timeout_record(device);
     const size_t total = intranode::kSignalBytes + static_cast<size_t>(num_data_bytes);
     EP_CUDA_CHECK(cudaMalloc(&base_, total));
     // Flags start at 0 and epochs at 1, so no barrier can pass on stale memory.

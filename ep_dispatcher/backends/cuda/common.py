@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ... import _C
 from ...config import Config
 from ...handles import DispatchHandle
 from ..base import DispatchArgs
@@ -28,6 +29,18 @@ class EngineContext:
     num_ranks: int
     num_ranks_per_node: int
     timeout_ns: int
+
+
+def host_read_naming_timeouts(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.cpu()`` for a read the host waits on. If the stream faulted because a kernel's wait timed out, the
+    ``RuntimeError`` names rank, peer and stage (the kernels' timeout record, which survives the trap)."""
+    try:
+        return tensor.cpu()
+    except RuntimeError as error:
+        report = _C.timeout_report()
+        if not report:
+            raise
+        raise RuntimeError(f"{report}; {error}") from error
 
 
 def check_engine_limit(argument: str, value: int, limit: int, engine: str, unit: str = "ranks") -> None:

@@ -16,7 +16,14 @@ from ...config import Config
 from ...handles import DispatchHandle
 from ...validation import tokens_per_rank_mismatch
 from ..base import CombineArgs, DispatchArgs
-from .common import COMBINE_DTYPES, EngineContext, check_engine_limit, engine_dispatch_handle, kernel_num_sms
+from .common import (
+    COMBINE_DTYPES,
+    EngineContext,
+    check_engine_limit,
+    engine_dispatch_handle,
+    host_read_naming_timeouts,
+    kernel_num_sms,
+)
 from .nvshmem import init_nvshmem, release_nvshmem
 
 
@@ -132,7 +139,7 @@ class InternodeEngine:
         per_expert_list: List[int] = []
         if num_worst_tokens == 0:
             # One host sync: the host must know how many rows to allocate, and every rank checks every rank's size.
-            host = torch.cat([count_matrix.view(-1), tokens_of, counts_check]).cpu()
+            host = host_read_naming_timeouts(torch.cat([count_matrix.view(-1), tokens_of, counts_check]))
             count_matrix_host = host[: num_ranks**2].view(num_ranks, num_ranks)
             tokens_of_host = host[num_ranks**2 : num_ranks**2 + num_ranks]
             counts_check_host = host[num_ranks**2 + num_ranks :]
