@@ -89,14 +89,19 @@ DispatchLayout get_dispatch_layout(const at::Tensor& topk_idx, int64_t num_exper
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int num_sms = multiprocessor_count(topk_idx.get_device());
 
-    // One allocation (and one zero-fill in the launcher) for the three counter arrays: [ranks | experts | nodes].
+    // One allocation for every output (each allocation is host time on the hot path): the three counter arrays
+    // [ranks | experts | nodes], zero-filled together by the launcher, then is_token_in_rank's bytes. The outputs
+    // are views of it.
     const int64_t num_nodes = spans_nodes ? num_ranks / num_ranks_per_node : 0;
-    at::Tensor counters = at::empty({num_ranks + num_experts + num_nodes}, topk_idx.options().dtype(at::kInt));
+    const int64_t num_counters = num_ranks + num_experts + num_nodes;
+    const int64_t flags_offset = num_counters * static_cast<int64_t>(sizeof(int));
+    at::Tensor storage = at::empty({flags_offset + num_tokens * num_ranks}, topk_idx.options().dtype(at::kByte));
+    at::Tensor counters = storage.narrow(0, 0, flags_offset).view(at::kInt);
     at::Tensor num_tokens_per_rank = counters.narrow(0, 0, num_ranks);
     at::Tensor num_tokens_per_expert = counters.narrow(0, num_ranks, num_experts);
     std::optional<at::Tensor> num_tokens_per_rdma_rank;
     if (spans_nodes) num_tokens_per_rdma_rank = counters.narrow(0, num_ranks + num_experts, num_nodes);
-    at::Tensor is_token_in_rank = at::empty({num_tokens, num_ranks}, topk_idx.options().dtype(at::kBool));
+    at::Tensor is_token_in_rank = storage.narrow(0, flags_offset, num_tokens * num_ranks).view(at::kBool).view({num_tokens, num_ranks});
 
     layout::get_dispatch_layout(topk_idx.data_ptr<int64_t>(), static_cast<int>(num_tokens), static_cast<int>(num_topk),
                                 static_cast<int>(num_experts), static_cast<int>(num_ranks), static_cast<int>(num_ranks_per_node),

@@ -166,6 +166,8 @@ class Buffer:
         self._comm = CommStream()  # the communication stream, created on first use
         self._local_buffers: dict = {}  # get_local_buffer_tensor's scratch tensors, by which size they mirror
         self._destroyed = False
+        # The layout kernel's entry (a CUDA backend's), for get_dispatch_layout's hot path; None after destroy().
+        self._layout_kernel: Optional[Callable] = getattr(self._backend, "layout_kernel", None)
         self._ll = LowLatencyCalls(self._backend, self.clean_low_latency_buffer)  # halves, hooks, shape, receipts
 
     # ------------------------------------------------------------------ properties and static helpers
@@ -289,6 +291,7 @@ class Buffer:
             dist.barrier(group=self.group)  # collective: no peer may still write into this rank's memory
             destroy()
         self._destroyed = True
+        self._layout_kernel = None
 
     # ------------------------------------------------------------------ shared plumbing
     def _check_alive(self) -> None:
@@ -357,6 +360,26 @@ class Buffer:
             Counts per rank/node are deduplicated per token; ``num_tokens_per_rdma_rank`` is ``None`` unless the
             group spans several nodes.
         """
+        kernel = self._layout_kernel
+        if (
+            kernel is not None
+            and previous_event is None
+            and not async_finish
+            and not allocate_on_comm_stream
+            and type(num_experts) is int
+            and num_experts > 0
+            and num_experts % self.group_size == 0
+            and type(topk_idx) is torch.Tensor
+            and topk_idx.is_cuda
+            and topk_idx.dtype is torch.int64
+            and topk_idx.dim() == 2
+            and 1 <= topk_idx.size(1) <= NUM_MAX_TOPK
+            and topk_idx.is_contiguous()
+        ):
+            # The hot path (a layout per MoE layer and step): a well-formed call on the current stream goes straight
+            # to the kernel (its entries' range needs no check: the kernel ignores ids outside [0, num_experts)).
+            # Anything else takes the general path below, whose checks name what is wrong.
+            return (*kernel(topk_idx, num_experts), EventOverlap())
         self._check_num_experts(num_experts)
         self._check_topk_idx(topk_idx, None, num_experts, None, call="get_dispatch_layout")
         self._check_event(previous_event, async_finish, allocate_on_comm_stream)

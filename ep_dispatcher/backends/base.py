@@ -131,7 +131,8 @@ class Backend(Protocol):
     """What ``Buffer`` calls on a backend.
 
     Optional: ``destroy()`` (a backend that owns device memory frees it there; ``Buffer.destroy`` runs a group
-    barrier before it, and only for a backend that has it).
+    barrier before it, and only for a backend that has it); ``layout_kernel(topk_idx, num_experts)`` (what
+    ``get_dispatch_layout`` returns for well-formed CUDA inputs, called by ``Buffer`` without further checks).
     """
 
     name: str  # "reference" or "cuda"

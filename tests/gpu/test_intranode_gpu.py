@@ -43,6 +43,12 @@ def _compare_case(cuda: Buffer, ref: Buffer, case: rc.Case, me: int, device) -> 
     layout_r = ref.get_dispatch_layout(topk_idx, case.num_experts)
     for a, b in zip(layout_c[:4], layout_r[:4]):
         assert (a is None and b is None) or torch.equal(a, b)
+    # The call above took Buffer's hot path (straight to the kernel); async_finish takes the general path (checks,
+    # communication stream, event): the same outputs.
+    layout_g = cuda.get_dispatch_layout(topk_idx, case.num_experts, async_finish=True)
+    layout_g[4].current_stream_wait()
+    for a, b in zip(layout_g[:4], layout_r[:4]):
+        assert (a is None and b is None) or torch.equal(a, b)
     per_rank, _, per_expert, in_rank, _ = layout_c
     alignment = 1 + case.seed % 3
     kwargs = dict(

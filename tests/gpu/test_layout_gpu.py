@@ -206,8 +206,9 @@ def test_outputs_do_not_depend_on_stale_memory(num_tokens: int, num_topk: int, n
     assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
     del actual
 
-    # Blocks explicitly filled with 0x5A (counts 0x5A5A5A5A, flags "true" in every byte).
-    for num_bytes in (num_tokens * num_ranks, 4 * num_experts, 4 * num_ranks):
+    # Blocks explicitly filled with 0x5A (counts 0x5A5A5A5A, flags "true" in every byte); the outputs are views of one
+    # allocation of the counters' and the flags' bytes together.
+    for num_bytes in (num_tokens * num_ranks + 4 * (num_experts + num_ranks), num_tokens * num_ranks, 4 * num_experts):
         poison_allocator(max(num_bytes, 1), count=4, value=0x5A)
     actual = _C.get_dispatch_layout(second, num_experts, num_ranks, NUM_RANKS_PER_NODE)
     assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)

@@ -70,7 +70,7 @@ class _LayoutKernel:
         return False
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        return tuple(_C.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_ranks_per_node))
+        return _C.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_ranks_per_node)
 
 
 _Engine = Union[_LayoutKernel, IntranodeEngine, InternodeEngine, LowLatencyEngine]
@@ -106,6 +106,7 @@ class CudaBackend:
         self.timeout_ns = int(timeout_s * 1e9)
         ctx = EngineContext(group, rank, num_ranks, num_ranks_per_node, self.timeout_ns)
         self.layout = _LayoutKernel(num_ranks, num_ranks_per_node)
+        self.layout_kernel = self.layout.get_dispatch_layout  # Buffer.get_dispatch_layout's hot path (CUDA tensors)
         self.intranode: Optional[IntranodeEngine] = None
         if num_nvl_bytes > 0 and num_ranks <= num_ranks_per_node:
             self.intranode = IntranodeEngine(ctx, num_nvl_bytes)
