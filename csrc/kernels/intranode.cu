@@ -51,6 +51,23 @@ __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch,
     if (clear_input_error && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
 }
 
+// Tokens per thread in one tile of send_positions_kernel's scan: a warp's loads cover 32 * kScanItems consecutive
+// tokens, so each load instruction touches few cache lines (one per row of is_token_in_rank when num_ranks is 1).
+constexpr int kScanItems = 4;
+constexpr int kScanTile = kScanThreads * kScanItems;
+
+// The scan's running total from tile to tile (cub calls it from the block's first warp; lane 0's value counts).
+struct RunningTotal {
+    int total;
+    __device__ int operator()(int tile_total) {
+        const int before = total;
+        total += tile_total;
+        return before;
+    }
+};
+
+// Blocks [0, num_ranks) each scan one destination's column of is_token_in_rank, tile by tile; every block of the grid
+// (the launcher adds blocks for large inputs) takes a share of topk_idx's range check, which reads every entry.
 __global__ void __launch_bounds__(kScanThreads)
     send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
@@ -59,23 +76,35 @@ __global__ void __launch_bounds__(kScanThreads)
     __shared__ typename BlockScan::TempStorage scan_storage;
     InputError* error = input_error_of(peers.base[rank]);
     const int dst = blockIdx.x;
-    // Each thread owns a contiguous run of tokens: count its hits, scan the run totals, then write positions.
-    const int run = ceil_div(num_tokens, kScanThreads);
-    const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * run), end = min(num_tokens, begin + run);
-    int hits = 0;
-    for (int t = begin; t < end; ++t) hits += is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst] ? 1 : 0;
-    int position, total;
-    BlockScan(scan_storage).ExclusiveSum(hits, position, total);
-    for (int t = begin; t < end; ++t) {
-        const int64_t cell = static_cast<int64_t>(t) * num_ranks + dst;
-        send_pos[cell] = position;
-        position += is_token_in_rank[cell] ? 1 : 0;
+    if (dst < num_ranks) {  // uniform over the block: the scan's barriers are never split
+        RunningTotal running{0};
+        for (int tile = 0; tile < num_tokens; tile += kScanTile) {
+            const int first = tile + static_cast<int>(threadIdx.x) * kScanItems;
+            bool hit[kScanItems];
+            int hits = 0;
+#pragma unroll
+            for (int i = 0; i < kScanItems; ++i) {
+                const int t = first + i;
+                hit[i] = t < num_tokens && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst];
+                hits += hit[i] ? 1 : 0;
+            }
+            int position;
+            BlockScan(scan_storage).ExclusiveSum(hits, position, running);
+            __syncthreads();  // scan_storage is reused by the next tile
+#pragma unroll
+            for (int i = 0; i < kScanItems; ++i) {
+                const int t = first + i;
+                if (t >= num_tokens) break;
+                send_pos[static_cast<int64_t>(t) * num_ranks + dst] = position;
+                position += hit[i] ? 1 : 0;
+            }
+        }
+        if (threadIdx.x == 0) {
+            counts[dst] = running.total;
+            if (num_tokens_per_rank[dst] != running.total)
+                report_input_error(error, kTokensPerRankMismatch, dst, running.total, num_tokens_per_rank[dst]);
+        }
     }
-    if (threadIdx.x == 0) {
-        counts[dst] = total;
-        if (num_tokens_per_rank[dst] != total) report_input_error(error, kTokensPerRankMismatch, dst, total, num_tokens_per_rank[dst]);
-    }
-    // The blocks share the range check of topk_idx.
     if (topk_idx != nullptr) {
         const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
         for (int64_t i = static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x; i < entries;
@@ -744,7 +773,14 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
                     cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
-    send_positions_kernel<<<num_ranks, kScanThreads, 0, stream>>>(peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank,
+    // One block per destination, and enough blocks that the range check reads topk_idx at a good share of the
+    // memory bandwidth (one block per 8 entries a thread; with one or two ranks a block per rank would read a large
+    // topk_idx at a single SM's pace).
+    constexpr int64_t kEntriesPerCheckBlock = int64_t{kScanThreads} * 8;
+    constexpr int kMaxCheckBlocks = 128;
+    const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
+    const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, ceil_div(entries, kEntriesPerCheckBlock)));
+    send_positions_kernel<<<std::max(num_ranks, check_blocks), kScanThreads, 0, stream>>>(peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank,
                                                                  topk_idx, num_topk, num_experts, send_pos, counts);
     EP_CUDA_CHECK(cudaGetLastError());
 }
