@@ -35,9 +35,11 @@ void with_float_type(FloatType type, Launch&& launch) {
         launch(float{});
 }
 
-// Loads of kSumBatch rows' vectors are issued before any of them is summed, so their latencies overlap; the sum still
-// runs in row order.
-constexpr int kSumBatch = 8;
+// A lane sums kSumSpan vectors per pass (i, i + 32, ...) and issues the loads of kSumBatch rows for all of them before
+// any is summed, so up to kSumSpan * kSumBatch loads overlap: with few rows per token (one, at EP = 1) a vector per
+// pass would leave a warp with a single load in flight. The sum still runs in row order.
+constexpr int kSumBatch = 2;
+constexpr int kSumSpan = 4;
 
 // One warp sums one token's rows, a 16-byte vector per lane step over `vectors` vectors:
 //   out = bias0 + bias1 + row(0) + row(1) + ... + row(count - 1)
@@ -47,36 +49,51 @@ constexpr int kSumBatch = 8;
 template <typename T, typename Row>
 __device__ __forceinline__ void sum_token_rows(const T* bias0, const T* bias1, int count, Row&& row, T* out, int vectors, int lane) {
     using V = Vec<T>;
-    for (int i = lane; i < vectors; i += kWarpSize) {
-        float acc[V::kElems];
+    for (int i0 = lane; i0 < vectors; i0 += kWarpSize * kSumSpan) {
+        float acc[kSumSpan][V::kElems];
+        bool in_row[kSumSpan];
 #pragma unroll
-        for (int k = 0; k < V::kElems; ++k) acc[k] = 0.0f;
-        if (bias0 != nullptr) {
-            const int4 b = __ldg(reinterpret_cast<const int4*>(bias0) + i);
+        for (int s = 0; s < kSumSpan; ++s) {
+            in_row[s] = i0 + s * kWarpSize < vectors;
 #pragma unroll
-            for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+            for (int k = 0; k < V::kElems; ++k) acc[s][k] = 0.0f;
         }
-        if (bias1 != nullptr) {
-            const int4 b = __ldg(reinterpret_cast<const int4*>(bias1) + i);
+        const T* const biases[2] = {bias0, bias1};
 #pragma unroll
-            for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(b, k));
+        for (const T* bias : biases) {
+            if (bias == nullptr) continue;
+#pragma unroll
+            for (int s = 0; s < kSumSpan; ++s) {
+                if (!in_row[s]) continue;
+                const int4 b = __ldg(reinterpret_cast<const int4*>(bias) + i0 + s * kWarpSize);
+#pragma unroll
+                for (int k = 0; k < V::kElems; ++k) acc[s][k] = __fadd_rn(acc[s][k], V::get(b, k));
+            }
         }
         for (int j0 = 0; j0 < count; j0 += kSumBatch) {
-            int4 v[kSumBatch];
+            int4 v[kSumBatch][kSumSpan];
 #pragma unroll
             for (int u = 0; u < kSumBatch; ++u)
-                if (j0 + u < count) v[u] = row(j0 + u)[i];
+#pragma unroll
+                for (int s = 0; s < kSumSpan; ++s)
+                    if (j0 + u < count && in_row[s]) v[u][s] = row(j0 + u)[i0 + s * kWarpSize];
 #pragma unroll
             for (int u = 0; u < kSumBatch; ++u) {
                 if (j0 + u >= count) break;
 #pragma unroll
-                for (int k = 0; k < V::kElems; ++k) acc[k] = __fadd_rn(acc[k], V::get(v[u], k));
+                for (int s = 0; s < kSumSpan; ++s)
+#pragma unroll
+                    for (int k = 0; k < V::kElems; ++k) acc[s][k] = __fadd_rn(acc[s][k], V::get(v[u][s], k));
             }
         }
-        int4 o;
 #pragma unroll
-        for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[k]);
-        reinterpret_cast<int4*>(out)[i] = o;
+        for (int s = 0; s < kSumSpan; ++s) {
+            if (!in_row[s]) continue;
+            int4 o;
+#pragma unroll
+            for (int k = 0; k < V::kElems; ++k) V::set(o, k, acc[s][k]);
+            reinterpret_cast<int4*>(out)[i0 + s * kWarpSize] = o;
+        }
     }
 }
 
