@@ -77,9 +77,9 @@ def group_from_comm(comm) -> dist.ProcessGroup:
 def _host_address(loopback: str) -> str:
     """Rank 0's rendezvous address: loopback when every rank is on this host (MPI launched them here), which is all
     a single-host stand-in can know; set MASTER_ADDR to publish another interface."""
-    import os
+    from . import settings
 
-    host = os.environ.get("MASTER_ADDR")
+    host = settings.master_addr()
     if not host:
         return loopback
     return f"tcp://{host}:{loopback.rsplit(':', 1)[1]}"

@@ -16,6 +16,8 @@ package is imported (e.g. ``EP_DISPATCHER_RANKS_PER_NODE`` to lay ranks out as v
   a call is routed, so a spawned rank may set it after the import; every rank of a group must see the same value.
 - ``EP_DISPATCHER_MEGATRON_BACKEND``, ``EP_DISPATCHER_DEEPSPEED_BACKEND`` (auto): the plugins' ``Buffer(backend=)``.
 - ``NVSHMEM_SYMMETRIC_SIZE`` (``num_rdma_bytes`` + 256 MiB): NVSHMEM's heap, sized once per process at its init.
+- ``MASTER_ADDR`` (unset: loopback): the host rank 0 publishes for the DeepEP-compatible MPI stand-in
+  (``compat.py``); torch.distributed reads it on its own too.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ def low_latency_max_blocks() -> Optional[int]:
 def plugin_backend(variable: str) -> str:
     """The backend a plugin's buffers use: env ``variable`` (``EP_DISPATCHER_<PLUGIN>_BACKEND``), else ``"auto"``."""
     return os.environ.get(variable, "auto")
+
+
+def master_addr() -> Optional[str]:
+    return os.environ.get("MASTER_ADDR") or None
 
 
 def nvshmem_symmetric_size() -> Optional[int]:

@@ -780,8 +780,8 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
     constexpr int kMaxCheckBlocks = 128;
     const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
     const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, ceil_div(entries, kEntriesPerCheckBlock)));
-    send_positions_kernel<<<std::max(num_ranks, check_blocks), kScanThreads, 0, stream>>>(peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank,
-                                                                 topk_idx, num_topk, num_experts, send_pos, counts);
+    send_positions_kernel<<<std::max(num_ranks, check_blocks), kScanThreads, 0, stream>>>(
+        peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos, counts);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

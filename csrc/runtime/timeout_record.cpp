@@ -59,7 +59,8 @@ std::string timeout_report() {
     line << "ep_dispatcher: timeout after " << r.timeout_ms << " ms on rank " << r.rank;
     switch (stage_engine(r.stage)) {
         case Engine::kIntranode:
-            line << " waiting for peer " << r.peer << ", stage '" << stage_name(r.stage) << "' (epoch " << r.epoch << ", have " << r.have << ")";
+            line << " waiting for peer " << r.peer << ", stage '" << stage_name(r.stage) << "' (epoch " << r.epoch << ", have " << r.have
+                 << ")";
             break;
         case Engine::kInternode:
             line << " (node " << r.node << ") waiting for rank " << r.peer << ", internode stage '" << stage_name(r.stage) << "' (epoch "
