@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "common.cuh"
@@ -55,6 +56,10 @@ __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch,
 // tokens, so each load instruction touches few cache lines (one per row of is_token_in_rank when num_ranks is 1).
 constexpr int kScanItems = 4;
 constexpr int kScanTile = kScanThreads * kScanItems;
+// Tokens one scan block covers: a destination's column is cut into chunks scanned side by side (one block per chunk
+// walked a large input tile by tile at one SM's pace). A multiple of 16 tokens, so a chunk's start is a whole number
+// of 16-byte vectors of is_token_in_rank.
+constexpr int kScanChunk = 2 * kScanTile;
 
 // The scan's running total from tile to tile (cub calls it from the block's first warp; lane 0's value counts).
 struct RunningTotal {
@@ -66,40 +71,75 @@ struct RunningTotal {
     }
 };
 
-// Blocks [0, num_ranks) each scan one destination's column of is_token_in_rank, tile by tile; every block of the grid
-// (the launcher adds blocks for large inputs) takes a share of topk_idx's range check, which reads every entry.
+// This thread's share of the hits in column `dst` of is_token_in_rank [.., num_ranks] over tokens [0, num_tokens):
+// 16-byte loads when the matrix is 16-byte aligned (num_tokens is a multiple of 16, see kScanChunk), else bytes.
+__device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, int num_ranks, int dst, int num_tokens) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(is_token_in_rank);
+    const int64_t num_bytes = static_cast<int64_t>(num_tokens) * num_ranks;
+    int hits = 0;
+    if (reinterpret_cast<uintptr_t>(bytes) % 16 == 0) {
+        for (int64_t v = threadIdx.x; v < num_bytes / 16; v += blockDim.x) {
+            const int4 word = __ldg(reinterpret_cast<const int4*>(bytes) + v);
+            const auto* b = reinterpret_cast<const uint8_t*>(&word);
+            int column = static_cast<int>((v * 16) % num_ranks);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                hits += column == dst && b[j] != 0 ? 1 : 0;
+                column = column + 1 == num_ranks ? 0 : column + 1;
+            }
+        }
+    } else {
+        for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) hits += bytes[static_cast<int64_t>(t) * num_ranks + dst] != 0 ? 1 : 0;
+    }
+    return hits;
+}
+
+// Blocks [0, num_ranks * num_chunks) each scan one kScanChunk chunk of one destination's column of is_token_in_rank,
+// tile by tile, starting from the hits of that column's earlier chunks (counted again by the block: no block waits for
+// another). The last chunk's block writes the destination's count. Every block of the grid (the launcher adds blocks
+// for large inputs) takes a share of topk_idx's range check, which reads every entry.
 __global__ void __launch_bounds__(kScanThreads)
-    send_positions_kernel(Peers peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
+    send_positions_kernel(Peers peers, int rank, int num_ranks, int num_chunks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
                           int* counts) {
     using BlockScan = cub::BlockScan<int, kScanThreads>;
-    __shared__ typename BlockScan::TempStorage scan_storage;
+    using BlockReduce = cub::BlockReduce<int, kScanThreads>;
+    __shared__ union {
+        typename BlockScan::TempStorage scan;
+        typename BlockReduce::TempStorage reduce;
+    } storage;
+    __shared__ int hits_before;
     InputError* error = input_error_of(peers.base[rank]);
-    const int dst = blockIdx.x;
-    if (dst < num_ranks) {  // uniform over the block: the scan's barriers are never split
-        RunningTotal running{0};
-        for (int tile = 0; tile < num_tokens; tile += kScanTile) {
+    if (static_cast<int>(blockIdx.x) < num_ranks * num_chunks) {  // uniform over the block: the scan's barriers are never split
+        const int dst = static_cast<int>(blockIdx.x) % num_ranks, chunk = static_cast<int>(blockIdx.x) / num_ranks;
+        const int chunk_begin = chunk * kScanChunk, chunk_end = min(num_tokens, chunk_begin + kScanChunk);
+        int below = 0;  // thread 0's sum is the block's
+        if (chunk > 0) below = BlockReduce(storage.reduce).Sum(column_hits_below(is_token_in_rank, num_ranks, dst, chunk_begin));
+        if (threadIdx.x == 0) hits_before = below;
+        __syncthreads();  // hits_before is written, and storage is free for the scan
+        RunningTotal running{hits_before};
+        for (int tile = chunk_begin; tile < chunk_end; tile += kScanTile) {
             const int first = tile + static_cast<int>(threadIdx.x) * kScanItems;
             bool hit[kScanItems];
             int hits = 0;
 #pragma unroll
             for (int i = 0; i < kScanItems; ++i) {
                 const int t = first + i;
-                hit[i] = t < num_tokens && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst];
+                hit[i] = t < chunk_end && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst];
                 hits += hit[i] ? 1 : 0;
             }
             int position;
-            BlockScan(scan_storage).ExclusiveSum(hits, position, running);
-            __syncthreads();  // scan_storage is reused by the next tile
+            BlockScan(storage.scan).ExclusiveSum(hits, position, running);
+            __syncthreads();  // storage is reused by the next tile
 #pragma unroll
             for (int i = 0; i < kScanItems; ++i) {
                 const int t = first + i;
-                if (t >= num_tokens) break;
+                if (t >= chunk_end) break;
                 send_pos[static_cast<int64_t>(t) * num_ranks + dst] = position;
                 position += hit[i] ? 1 : 0;
             }
         }
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && chunk == num_chunks - 1) {
             counts[dst] = running.total;
             if (num_tokens_per_rank[dst] != running.total)
                 report_input_error(error, kTokensPerRankMismatch, dst, running.total, num_tokens_per_rank[dst]);
@@ -773,15 +813,17 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
                     cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
-    // One block per destination, and enough blocks that the range check reads topk_idx at a good share of the
-    // memory bandwidth (one block per 8 entries a thread; with one or two ranks a block per rank would read a large
-    // topk_idx at a single SM's pace).
+    // A block per (destination, chunk of tokens), and enough blocks that the range check reads topk_idx at a good
+    // share of the memory bandwidth (one block per 8 entries a thread; with one or two ranks a block per rank would
+    // read a large topk_idx at a single SM's pace). At least one chunk: its block writes the count, even of no tokens.
     constexpr int64_t kEntriesPerCheckBlock = int64_t{kScanThreads} * 8;
     constexpr int kMaxCheckBlocks = 128;
+    const int num_chunks = std::max(1, ceil_div(num_tokens, kScanChunk));
     const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
     const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, ceil_div(entries, kEntriesPerCheckBlock)));
-    send_positions_kernel<<<std::max(num_ranks, check_blocks), kScanThreads, 0, stream>>>(
-        peers, rank, num_ranks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos, counts);
+    send_positions_kernel<<<std::max(num_ranks * num_chunks, check_blocks), kScanThreads, 0, stream>>>(
+        peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos,
+        counts);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -427,3 +427,47 @@ def _fallback_worker(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_fp16_fp64_combine_falls_back_to_the_reference(world: int) -> None:
     assert run(_fallback_worker, world) == [2] * world
+
+
+def _long_scan_worker(rank: int, world: int) -> int:
+    """Inputs longer than one scan chunk (send positions are scanned in chunks of 4096 tokens side by side, each chunk
+    starting from the hits of the chunks before it): a different token count per rank, dropped entries, and an
+    is_token_in_rank that starts at an odd address (the chunk counts then read it byte by byte). Bit-exact against
+    the reference, fresh and from the handle; a wrong count would also raise (it is checked against
+    num_tokens_per_rank)."""
+    device = set_device(rank)
+    cuda, ref = _buffers(world)
+    config = Config(NUM_SMS)
+    num_tokens, hidden, num_experts, topk = 2 * 4096 + 1000 + 37 * rank, 256, 4 * world, 2
+    g = torch.Generator().manual_seed(1900 + rank)
+    x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk]
+    topk_idx.masked_fill_(torch.rand((num_tokens, topk), generator=g) < 0.3, -1)
+    topk_idx = topk_idx.to(device)
+    per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk_idx, num_experts)
+    odd = torch.zeros(in_rank.numel() + 1, dtype=torch.bool, device=device)[1:].view(in_rank.shape)
+    odd.copy_(in_rank)
+    assert odd.data_ptr() % 16 != 0
+    checked = 0
+    for matrix in (in_rank, odd):
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=matrix, num_tokens_per_expert=per_expert)
+        kwargs["topk_idx"] = topk_idx
+        out_c = cuda.dispatch(x, config=config, **kwargs)
+        out_r = ref.dispatch(x, **kwargs)
+        for name, a, b in zip(("recv_x", "recv_topk_idx"), out_c[:2], out_r[:2]):
+            assert torch.equal(a, b), name
+        hc, hr = out_c[4], out_r[4]
+        assert torch.equal(hc.rank_prefix_matrix, hr.rank_prefix_matrix), "rank_prefix_matrix"
+        assert torch.equal(hc.recv_src_idx, hr.recv_src_idx), "recv_src_idx"
+        x2 = (x.float() * 2 + 1).to(torch.bfloat16)
+        assert torch.equal(cuda.dispatch(x2, handle=hc, config=config)[0], ref.dispatch(x2, handle=hr)[0]), "cached"
+        assert torch.equal(cuda.combine(out_c[0], hc, config=config)[0], ref.combine(out_r[0], hr)[0]), "combine"
+        checked += 1
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+def test_intranode_send_positions_over_several_scan_chunks(world: int) -> None:
+    assert run(_long_scan_worker, world) == [2] * world
