@@ -336,7 +336,22 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = gridDim.x * kDataWarpsPerBlock;
+    // A scale row of at most one 16-byte vector per lane (FP8: hidden / 32 bytes) travels in registers.
+    const bool scales_in_lanes = scales != nullptr && scale_row_bytes % 16 == 0 && scale_row_bytes <= kWarpSize * 16 &&
+                                 reinterpret_cast<uintptr_t>(scales) % 16 == 0;
+    const bool has_scale_vector = scales_in_lanes && lane * 16 < scale_row_bytes;
     for (int t = blockIdx.x * kDataWarpsPerBlock + warp; t < num_tokens; t += num_warps) {
+        // The token's small fields are loaded first, so that their latency overlaps the payload's instead of adding
+        // a round trip per token after it.
+        int64_t expert = -1;
+        float weight = 0.0f;
+        if (topk_idx != nullptr && lane < num_topk) {
+            expert = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+            weight = topk_weights[static_cast<int64_t>(t) * num_topk + lane];
+        }
+        int4 scale_vector{};
+        if (has_scale_vector)
+            scale_vector = __ldg(reinterpret_cast<const int4*>(scales + static_cast<int64_t>(t) * scale_row_bytes) + lane);
         // The destinations of token t, in rank order.
         const bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
         const int count = warp_compact(num_ranks, lane, [&](int d) { return in_rank[d]; }, [&](int d, int slot) {
@@ -358,15 +373,16 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
         for (int j = 0; j < count; ++j) {
             const int d = dst_rank[warp][j];
             const int64_t row = dst_row[warp][j];
-            if (scales != nullptr)
+            if (has_scale_vector)
+                reinterpret_cast<int4*>(dst_scales[d] + row * scale_row_bytes)[lane] = scale_vector;
+            else if (scales != nullptr && !scales_in_lanes)
                 warp_copy<CopySource::kReadOnly>(dst_scales[d] + row * scale_row_bytes, scales + static_cast<int64_t>(t) * scale_row_bytes,
                                                  scale_row_bytes, lane);
             if (topk_idx != nullptr && lane < num_topk) {
                 // Ids become the destination's local ids; experts elsewhere become -1 with weight 0.
-                const int64_t expert = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
                 const bool local = expert >= 0 && expert / num_local_experts == d;
                 dst_topk[d][row * num_topk + lane] = local ? expert - static_cast<int64_t>(d) * num_local_experts : -1;
-                dst_weights[d][row * num_topk + lane] = local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+                dst_weights[d][row * num_topk + lane] = local ? weight : 0.0f;
             }
             if (lane == 0 && dst_src[d] != nullptr) dst_src[d][row] = t;
         }

@@ -444,6 +444,7 @@ def _long_scan_worker(rank: int, world: int) -> int:
     topk_idx = torch.rand((num_tokens, num_experts), generator=g).argsort(1)[:, :topk]
     topk_idx.masked_fill_(torch.rand((num_tokens, topk), generator=g) < 0.3, -1)
     topk_idx = topk_idx.to(device)
+    topk_weights = torch.rand((num_tokens, topk), generator=g).to(device)
     per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk_idx, num_experts)
     odd = torch.zeros(in_rank.numel() + 1, dtype=torch.bool, device=device)[1:].view(in_rank.shape)
     odd.copy_(in_rank)
@@ -451,10 +452,10 @@ def _long_scan_worker(rank: int, world: int) -> int:
     checked = 0
     for matrix in (in_rank, odd):
         kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=matrix, num_tokens_per_expert=per_expert)
-        kwargs["topk_idx"] = topk_idx
+        kwargs.update(topk_idx=topk_idx, topk_weights=topk_weights)
         out_c = cuda.dispatch(x, config=config, **kwargs)
         out_r = ref.dispatch(x, **kwargs)
-        for name, a, b in zip(("recv_x", "recv_topk_idx"), out_c[:2], out_r[:2]):
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), out_c[:3], out_r[:3]):
             assert torch.equal(a, b), name
         hc, hr = out_c[4], out_r[4]
         assert torch.equal(hc.rank_prefix_matrix, hr.rank_prefix_matrix), "rank_prefix_matrix"
