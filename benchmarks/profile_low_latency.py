@@ -1,0 +1,119 @@
+"""Per-kernel timeline of the low-latency pair replayed from a CUDA graph (torch.profiler / CUPTI), on every rank.
+
+    python benchmarks/profile_low_latency.py --ranks 8 --sweep 1,128      # one GPU: run under MPS
+
+Shape as bench_low_latency.py (hidden 7168, top-8 of 256, FP8 dispatch, BF16 combine). Prints, per token count, the
+span per pair on each rank, the median duration of each kernel (rank 0, then every rank), and the last pair's
+kernels on rank 0 as (name, start µs, duration µs): the gaps between kernels are launch cost, the durations the work
+and the waits inside each kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ep_dispatcher import Buffer  # noqa: E402
+from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_low_latency import _routing  # noqa: E402
+
+PAIRS_PER_GRAPH = 4
+PROFILED_REPLAYS = 4
+
+
+def _short(name: str) -> str:
+    """A kernel's own name: the mangled prefix of kernels in an anonymous namespace hides it in the first chars."""
+    found = re.findall(r"(\w+_kernel)", name)
+    return found[-1] if found else name[:48]
+
+
+def _rank_main(rank: int, world: int, args) -> List[Dict]:
+    use_nvshmem_on_one_machine()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    sweep = [int(t) for t in args.sweep.split(",")]
+    hidden, experts, topk = args.hidden, args.experts, args.topk
+    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
+    buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", timeout_s=30)
+    rows = {}
+    for tokens in sweep:
+        x, topk_idx, topk_weights = _routing(rank, tokens, hidden, experts, topk, device)
+
+        def pair():
+            handle = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True)[2]
+            y = buffer.get_next_low_latency_combine_buffer(handle)
+            buffer.low_latency_combine(y, topk_idx, topk_weights, handle, zero_copy=True)
+
+        pair()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(PAIRS_PER_GRAPH):
+                pair()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()  # absorbs the ranks' start skew (as bench_low_latency's steady state)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_REPLAYS):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted(
+            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.time_range.start,
+        )
+        t0 = kernels[0].time_range.start if kernels else 0
+        timeline = [(_short(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
+        durations: Dict[str, List[float]] = {}
+        for name, _, duration in timeline:
+            durations.setdefault(name, []).append(duration)
+        pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
+        rows[tokens] = dict(
+            span_per_pair=(kernels[-1].time_range.end - t0) / pairs if kernels else 0.0,
+            median={name: statistics.median(d) for name, d in durations.items()},
+            last_pair=timeline[-len(timeline) // pairs :] if timeline else [],
+        )
+        del graph
+    gathered: List = [None] * world
+    dist.all_gather_object(gathered, rows)
+    buffer.destroy()
+    return gathered
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--sweep", default="1,128", help="comma-separated tokens per rank")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    per_rank = spawn(_rank_main, args.ranks, args, backend="gloo")[0]
+    for tokens in per_rank[0]:
+        spans = [round(r[tokens]["span_per_pair"], 1) for r in per_rank]
+        print(f"== {args.ranks} ranks, {tokens} tokens: span per pair on each rank (µs): {spans}")
+        for name, duration in per_rank[0][tokens]["median"].items():
+            everyone = [round(r[tokens]["median"].get(name, 0.0), 1) for r in per_rank]
+            print(f"   {name:48s} median {duration:7.1f} µs on rank 0; every rank: {everyone}")
+        print("   rank 0, last pair (name, start µs, duration µs):")
+        for name, start, duration in per_rank[0][tokens]["last_pair"]:
+            print(f"     {name:48s} {start:9.1f} {duration:7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
