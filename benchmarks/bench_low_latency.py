@@ -159,21 +159,22 @@ def host_share(graph_us: float, eager_us: float) -> float:
     return max(0.0, 1 - graph_us / eager_us) if eager_us > 0 else 0.0
 
 
-def _rank_main(rank: int, world: int, args) -> Dict:
+def rank_setup(rank: int, world: int, args, **buffer_kwargs):
+    """This rank's device, the token counts of ``args.sweep`` and a CUDA low-latency Buffer sized for the largest."""
     use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     sweep = [int(t) for t in args.sweep.split(",")]
-    hidden, experts, topk = args.hidden, args.experts, args.topk
-    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
-    buffer = Buffer(
-        None,
-        low_latency_mode=True,
-        num_rdma_bytes=num_rdma_bytes,
-        backend="cuda",
-        timeout_s=args.kernel_timeout_s,
-        validate_inputs=args.validate_inputs,
+    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, args.hidden, world, args.experts) for t in sweep)
+    buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", **buffer_kwargs)
+    return device, sweep, buffer
+
+
+def _rank_main(rank: int, world: int, args) -> Dict:
+    device, sweep, buffer = rank_setup(
+        rank, world, args, timeout_s=args.kernel_timeout_s, validate_inputs=args.validate_inputs
     )
+    hidden, experts, topk = args.hidden, args.experts, args.topk
     if "low_latency_dispatch" not in buffer.engine_calls:
         raise SystemExit("the CUDA engine has no low-latency kernels here (built without NVSHMEM?)")
     copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
@@ -252,13 +253,19 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     return {"rows": gathered, "copy_gbps": copy_gbps, "launch_us": launch_us}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_parser(description: str, sweep: str) -> argparse.ArgumentParser:
+    """The arguments every low-latency benchmark takes: ranks, tokens per rank (``sweep``: the default) and shape."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--sweep", default="128", help="comma-separated tokens per rank")
+    parser.add_argument("--sweep", default=sweep, help="comma-separated tokens per rank")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = shape_parser(__doc__, "128")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--groups", type=int, default=10)
     parser.add_argument("--gap-us", type=float, default=1000.0, help="GPU spin before a timed receive phase")

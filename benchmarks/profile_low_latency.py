@@ -10,7 +10,6 @@ and the waits inside each kernel.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -22,11 +21,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ep_dispatcher import Buffer  # noqa: E402
-from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
+from ep_dispatcher.launch import spawn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_low_latency import _routing  # noqa: E402
+from bench_low_latency import _routing, rank_setup, shape_parser  # noqa: E402
 
 PAIRS_PER_GRAPH = 4
 PROFILED_REPLAYS = 4
@@ -39,13 +37,8 @@ def _short(name: str) -> str:
 
 
 def _rank_main(rank: int, world: int, args) -> List[Dict]:
-    use_nvshmem_on_one_machine()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    sweep = [int(t) for t in args.sweep.split(",")]
+    device, sweep, buffer = rank_setup(rank, world, args, timeout_s=30)
     hidden, experts, topk = args.hidden, args.experts, args.topk
-    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts) for t in sweep)
-    buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", timeout_s=30)
     rows = {}
     for tokens in sweep:
         x, topk_idx, topk_weights = _routing(rank, tokens, hidden, experts, topk, device)
@@ -93,12 +86,7 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--sweep", default="1,128", help="comma-separated tokens per rank")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    parser = shape_parser(__doc__, "1,128")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
