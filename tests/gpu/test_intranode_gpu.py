@@ -449,6 +449,7 @@ def _long_scan_worker(rank: int, world: int) -> int:
     odd = torch.zeros(in_rank.numel() + 1, dtype=torch.bool, device=device)[1:].view(in_rank.shape)
     odd.copy_(in_rank)
     assert odd.data_ptr() % 16 != 0
+    x2 = (x.float() * 2 + 1).to(torch.bfloat16)
     checked = 0
     for matrix in (in_rank, odd):
         kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=matrix, num_tokens_per_expert=per_expert)
@@ -460,7 +461,6 @@ def _long_scan_worker(rank: int, world: int) -> int:
         hc, hr = out_c[4], out_r[4]
         assert torch.equal(hc.rank_prefix_matrix, hr.rank_prefix_matrix), "rank_prefix_matrix"
         assert torch.equal(hc.recv_src_idx, hr.recv_src_idx), "recv_src_idx"
-        x2 = (x.float() * 2 + 1).to(torch.bfloat16)
         assert torch.equal(cuda.dispatch(x2, handle=hc, config=config)[0], ref.dispatch(x2, handle=hr)[0]), "cached"
         assert torch.equal(cuda.combine(out_c[0], hc, config=config)[0], ref.combine(out_r[0], hr)[0]), "combine"
         checked += 1
