@@ -1,0 +1,102 @@
+"""Per-kernel GPU time of one rank's intranode calls (EP = 1, loopback): fresh, cached and ``num_worst_tokens``
+FP8 dispatch and the BF16 combine, by torch.profiler (CUPTI).
+
+    python benchmarks/profile_intranode.py --tokens 65536
+
+Shape as bench_intranode.py (hidden 7168, top-8 of 256, FP8 dispatch, BF16 combine, one rank, all SMs). For each
+call: the median time of --calls calls timed one by one with CUDA events, then each kernel's GPU time per call
+(summed over --profiled calls). Fresh minus cached is the count exchange's cost on the GPU: the send-position scan
+with its ``topk_idx`` check, notify, and what the fresh data kernel writes besides the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_intranode import _routing  # noqa: E402
+
+
+def _event_us(fn, calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(calls):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _kernel_us(fn, profiled: int) -> dict:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:96]] += event.device_time / profiled
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=None, help="default: every SM of the GPU")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--profiled", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    num_sms = args.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+    row_bytes = args.hidden + args.hidden // 128 * 4 + args.topk * 12 + 4
+    buffer = Buffer(None, num_nvl_bytes=args.tokens * row_bytes + (16 << 20), backend="cuda", validate_inputs=False)
+    config = Config(num_sms)
+    x, topk_idx, topk_weights = _routing(0, args.tokens, args.hidden, args.experts, args.topk, device)
+    x_fp8 = per_token_cast_to_fp8(x)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    kwargs = dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        config=config,
+    )
+    recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
+    y = torch.randn((recv[0].size(0), args.hidden), device=device).to(torch.bfloat16)
+    calls = {
+        "dispatch_fp8_fresh": lambda: buffer.dispatch(x_fp8, **kwargs),
+        "dispatch_fp8_cached": lambda: buffer.dispatch(x_fp8, handle=handle, config=config),
+        "dispatch_fp8_worst": lambda: buffer.dispatch(x_fp8, num_worst_tokens=args.tokens, **kwargs),
+        "combine_bf16": lambda: buffer.combine(y, handle, config=config),
+    }
+    print(f"one rank, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, {num_sms} SMs")
+    for name, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        print(f"{name}: {_event_us(fn, args.calls):.1f} us per call (CUDA events, median)")
+        for kernel, us in _kernel_us(fn, args.profiled).items():
+            print(f"  {us:9.1f} us  {kernel}")
+    buffer.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
