@@ -82,10 +82,35 @@ def _routing(rank: int, tokens: int, hidden: int, experts: int, topk: int, devic
     return x, topk_idx, topk_weights
 
 
-def time_calls(buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y, worst: int) -> Dict[str, float]:
-    """Seconds per call of layout, FP8 / worst-case FP8 / BF16 / cached FP8 dispatch and BF16 combine."""
+def nvl_bytes(max_tokens: int, world: int, hidden: int, topk: int) -> int:
+    """Room for the worst case: every rank's tokens arrive here (dispatch), each token goes to min(R, k) ranks
+    (combine)."""
+    dispatch_rows = max_tokens * world * (hidden + hidden // 128 * 4 + topk * 12 + 4)
+    combine_rows = max_tokens * min(world, topk) * (hidden * 2 + topk * 4)
+    return max(dispatch_rows, combine_rows) + (16 << 20)
+
+
+def dispatch_inputs(buffer: Buffer, rank: int, tokens: int, args, device, config: Config):
+    """This rank's routed tokens and the keyword arguments of a fresh dispatch: ``(x, x_fp8, topk_idx, kwargs)``."""
+    x, topk_idx, topk_weights = _routing(rank, tokens, args.hidden, args.experts, args.topk, device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    kwargs = dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        config=config,
+    )
+    return x, per_token_cast_to_fp8(x), topk_idx, kwargs
+
+
+def intranode_calls(
+    buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y, worst: int
+) -> Dict[str, Callable]:
+    """The calls the benchmark times: layout, FP8 / worst-case FP8 / BF16 / cached FP8 dispatch and BF16 combine."""
     config = kwargs["config"]
-    calls = {
+    return {
         "layout": lambda: buffer.get_dispatch_layout(topk_idx, args.experts),
         "dispatch_fp8": lambda: buffer.dispatch(x_fp8, **kwargs),
         "dispatch_fp8_worst": lambda: buffer.dispatch(x_fp8, num_worst_tokens=worst, **kwargs),
@@ -93,6 +118,11 @@ def time_calls(buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y
         "cached_dispatch_fp8": lambda: buffer.dispatch(x_fp8, handle=handle, config=config),
         "combine_bf16": lambda: buffer.combine(y, handle, config=config),
     }
+
+
+def time_calls(buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y, worst: int) -> Dict[str, float]:
+    """Seconds per call of each of intranode_calls."""
+    calls = intranode_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, worst)
     return {kind: _time_calls(call, args.calls, args.groups) for kind, call in calls.items()}
 
 
@@ -101,27 +131,13 @@ def _rank_main(rank: int, world: int, args) -> Dict:
     device = torch.device("cuda", torch.cuda.current_device())
     copy_gbps = copy_bandwidth_gbps(device) if rank == 0 else 0.0
     dist.barrier()
-    max_tokens = max(args.sweep)
-    # Room for the worst case: every rank's tokens arrive here (dispatch), each token goes to min(R, k) ranks (combine).
-    dispatch_rows = max_tokens * world * (args.hidden + args.hidden // 128 * 4 + args.topk * 12 + 4)
-    combine_rows = max_tokens * min(world, args.topk) * (args.hidden * 2 + args.topk * 4)
-    num_nvl_bytes = max(dispatch_rows, combine_rows) + (16 << 20)
+    num_nvl_bytes = nvl_bytes(max(args.sweep), world, args.hidden, args.topk)
     buffer = Buffer(None, num_nvl_bytes=num_nvl_bytes, backend="cuda", validate_inputs=False)
     config = Config(args.num_sms)
     results = []
     for tokens in args.sweep:
-        x, topk_idx, topk_weights = _routing(rank, tokens, args.hidden, args.experts, args.topk, device)
-        x_fp8 = per_token_cast_to_fp8(x)
-        layout = buffer.get_dispatch_layout(topk_idx, args.experts)
-        per_rank, _, per_expert, in_rank, _ = layout
-        kwargs = dict(
-            num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            config=config,
-        )
+        x, x_fp8, topk_idx, kwargs = dispatch_inputs(buffer, rank, tokens, args, device, config)
+        in_rank = kwargs["is_token_in_rank"]
         recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
         num_recv = recv[0].size(0)
         local_rows = int(in_rank[:, rank].sum())

@@ -1,5 +1,5 @@
-"""Per-kernel GPU time of one rank's intranode calls (EP = 1, loopback): fresh, cached and ``num_worst_tokens``
-FP8 dispatch and the BF16 combine, by torch.profiler (CUPTI).
+"""Per-kernel GPU time of one rank's intranode calls (EP = 1, loopback): the calls bench_intranode.py times (layout,
+fresh, ``num_worst_tokens``, BF16 and cached dispatch, BF16 combine), by torch.profiler (CUPTI).
 
     python benchmarks/profile_intranode.py --tokens 65536
 
@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ep_dispatcher import Buffer, Config, per_token_cast_to_fp8  # noqa: E402
+from ep_dispatcher import Buffer, Config  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_intranode import _routing  # noqa: E402
+from bench_intranode import dispatch_inputs, intranode_calls, nvl_bytes  # noqa: E402
 
 
 def _event_us(fn, calls: int) -> float:
@@ -64,28 +64,13 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     num_sms = args.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    row_bytes = args.hidden + args.hidden // 128 * 4 + args.topk * 12 + 4
-    buffer = Buffer(None, num_nvl_bytes=args.tokens * row_bytes + (16 << 20), backend="cuda", validate_inputs=False)
+    num_nvl_bytes = nvl_bytes(args.tokens, 1, args.hidden, args.topk)
+    buffer = Buffer(None, num_nvl_bytes=num_nvl_bytes, backend="cuda", validate_inputs=False)
     config = Config(num_sms)
-    x, topk_idx, topk_weights = _routing(0, args.tokens, args.hidden, args.experts, args.topk, device)
-    x_fp8 = per_token_cast_to_fp8(x)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
-    kwargs = dict(
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        config=config,
-    )
+    x, x_fp8, topk_idx, kwargs = dispatch_inputs(buffer, 0, args.tokens, args, device, config)
     recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
     y = torch.randn((recv[0].size(0), args.hidden), device=device).to(torch.bfloat16)
-    calls = {
-        "dispatch_fp8_fresh": lambda: buffer.dispatch(x_fp8, **kwargs),
-        "dispatch_fp8_cached": lambda: buffer.dispatch(x_fp8, handle=handle, config=config),
-        "dispatch_fp8_worst": lambda: buffer.dispatch(x_fp8, num_worst_tokens=args.tokens, **kwargs),
-        "combine_bf16": lambda: buffer.combine(y, handle, config=config),
-    }
+    calls = intranode_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, args.tokens)
     print(f"one rank, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, {num_sms} SMs")
     for name, fn in calls.items():
         for _ in range(3):
