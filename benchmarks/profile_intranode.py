@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ep_dispatcher import Buffer, Config  # noqa: E402
+from ep_dispatcher.launch import spawn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_intranode import dispatch_inputs, intranode_calls, nvl_bytes  # noqa: E402
@@ -51,23 +52,15 @@ def _kernel_us(fn, profiled: int) -> dict:
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--num-sms", type=int, default=None, help="default: every SM of the GPU")
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--profiled", type=int, default=5)
-    args = parser.parse_args(argv)
+def _profile_one_rank(rank: int, world: int, args) -> None:
+    """Runs in a process of its own: a Buffer needs a process group, here of one rank (gloo)."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     num_sms = args.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    num_nvl_bytes = nvl_bytes(args.tokens, 1, args.hidden, args.topk)
+    num_nvl_bytes = nvl_bytes(args.tokens, world, args.hidden, args.topk)
     buffer = Buffer(None, num_nvl_bytes=num_nvl_bytes, backend="cuda", validate_inputs=False)
     config = Config(num_sms)
-    x, x_fp8, topk_idx, kwargs = dispatch_inputs(buffer, 0, args.tokens, args, device, config)
+    x, x_fp8, topk_idx, kwargs = dispatch_inputs(buffer, rank, args.tokens, args, device, config)
     recv, _, _, _, handle, _ = buffer.dispatch(x_fp8, **kwargs)
     y = torch.randn((recv[0].size(0), args.hidden), device=device).to(torch.bfloat16)
     calls = intranode_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, args.tokens)
@@ -80,6 +73,18 @@ def main(argv=None) -> int:
         for kernel, us in _kernel_us(fn, args.profiled).items():
             print(f"  {us:9.1f} us  {kernel}")
     buffer.destroy()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=None, help="default: every SM of the GPU")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--profiled", type=int, default=5)
+    spawn(_profile_one_rank, 1, parser.parse_args(argv))
     return 0
 
 

@@ -64,9 +64,8 @@ class LowLatencyBuffer {
                                  max_blocks_, state_, timeout_ns_, error_device_};
     }
 
-    // Launches the send phase. Returns (plan, src_info, layout_range): the plan is int32 [num_tokens * num_topk +
-    // num_experts], each (token, k) entry's slot at its expert (-1: skipped), then each expert's count (the combine reads
-    // the slots); src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors, filled by
+    // Launches the send phase. Returns (send_slot, src_info, layout_range): send_slot is int32 [num_tokens * num_topk],
+    // each (token, k) entry's slot at its expert (-1: skipped), which the combine reads; src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors, filled by
     // the receive phase. Allocated here (one entry per call, no Python-side allocations).
     std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx,
                                                                  int64_t max_tokens, int64_t num_experts, bool use_fp8, bool round_scale) {
@@ -76,13 +75,14 @@ class LowLatencyBuffer {
         const auto L = layout(max_tokens, num_experts, x.size(1));
         const auto h = half(half_index, L);
         const int num_tokens = static_cast<int>(x.size(0)), num_topk = static_cast<int>(topk_idx.size(1));
+        TORCH_CHECK_VALUE(num_topk >= 1 && num_topk <= kMaxTopk, "topk_idx: expected 1 <= num_topk <= ", kMaxTopk, ", got ", num_topk);
         const auto int_options = topk_idx.options().dtype(at::kInt);
-        at::Tensor plan = at::empty({int64_t(num_tokens) * num_topk + num_experts}, int_options);
+        at::Tensor send_slot = at::empty({int64_t(num_tokens) * num_topk}, int_options);
         at::Tensor src_info = at::empty({L.num_local_experts, int64_t(num_ranks_) * max_tokens}, int_options);
         at::Tensor layout_range = at::empty({L.num_local_experts, int64_t(num_ranks_)}, topk_idx.options());
         low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
-                                   plan.data_ptr<int>(), stream());
-        return {plan, src_info, layout_range};
+                                   send_slot.data_ptr<int>(), stream());
+        return {send_slot, src_info, layout_range};
     }
 
     void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
@@ -108,7 +108,7 @@ class LowLatencyBuffer {
         const auto L = layout(max_tokens, num_experts, x.size(2));
         const auto h = half(half_index, L);
         const bool staged = x.data_ptr() == static_cast<void*>(h.local + L.send_offset());
-        low_latency::combine_send(L, h, x.data_ptr(), staged, layout_range.data_ptr<int64_t>(), stream());
+        low_latency::combine_send(L, h, x.data_ptr(), staged, num_direct_peers_ == num_ranks_, layout_range.data_ptr<int64_t>(), stream());
     }
 
     void combine_recv(int64_t half_index, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,

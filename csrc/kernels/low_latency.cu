@@ -19,7 +19,7 @@ namespace {
 
 constexpr int kThreads = 512;  // 16 warps: the receive kernel (a warp per message) and the sum
 constexpr int kWarps = kThreads / kWarpSize;
-// The warp-per-item kernels (plan, send, combine send) run in small blocks: the same threads over 4x the SMs, so a
+// The warp-per-item kernels (send, combine send) run in small blocks: the same threads over 4x the SMs, so a
 // few hundred warps spread over the GPU instead of piling onto max_blocks SMs. Their grids stay within the thread
 // budget of max_blocks full blocks, and their registers are capped so that kSmallPerFull of them fit on one SM: all
 // ranks' kernels on one GPU remain co-resident.
@@ -34,7 +34,6 @@ constexpr int kStepChannels = kWarpSize * kLaneChannels;
 constexpr int kLanesPerGroup = kFp8GroupSize / kLaneChannels;
 [[maybe_unused]] constexpr int kGroupsPerStep = kStepChannels / kFp8GroupSize;  // used by the NVSHMEM put path
 constexpr int kSendBatch = 2;  // steps whose loads a warp issues before storing any (their latencies overlap)
-constexpr int kScanBatch = 8;  // topk_idx loads in flight per lane in the plan scan (latency-bound, not bandwidth-bound)
 // Combine send: a warp moves one chunk of a row at a time, the bytes one batched warp copy keeps in flight.
 constexpr int64_t kChunkBytes = int64_t(kCopyBatch) * kCopyLanes * 16;
 
@@ -52,31 +51,16 @@ __device__ __forceinline__ T* peer_address(const Half& h, T* local, int pe) {
 }
 
 // Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this thread's earlier writes
-// (and those it has observed) to that PE: a release store through the peer mapping, or an NVSHMEM fence + signal.
+// (and those it has observed) to that PE: a release store through the peer mapping (cumulative: it also orders the
+// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal.
 __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uint64_t value, int pe) {
     if (h.peer_base[pe] != 0) {
-        __threadfence_system();
         sync::store_release_sys(peer_address(h, signal, pe), value);
         return;
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     nvshmem_fence();
     nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, pe);
-#endif
-}
-
-// Copies `bytes` (a multiple of 16) from this rank's `src` to `dst` (a symmetric address in this half) on PE
-// `pe`, by the whole warp: stores through the peer mapping, or a non-blocking NVSHMEM put (src must then be
-// symmetric too; it is always staged in the half's send area).
-__device__ __forceinline__ void warp_copy_to_peer(const Half& h, uint8_t* dst, const uint8_t* src, int64_t bytes, int pe, int lane) {
-    if (h.peer_base[pe] != 0) {
-        int4* out = peer_address(h, reinterpret_cast<int4*>(dst), pe);
-        const int4* in = reinterpret_cast<const int4*>(src);
-        warp_copy_batched(bytes / 16, lane, [&](int64_t i) { return load_nc(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
-        return;
-    }
-#ifdef EP_DISPATCHER_WITH_NVSHMEM
-    nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(bytes), pe);
 #endif
 }
 
@@ -132,18 +116,21 @@ __device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, un
     __syncthreads();  // the acquiring threads' view passes to the whole block
 }
 
-// Called by every thread of every block at the end of its work: true in the last block to arrive. Each thread fences
-// its own writes (peer stores: system scope) before its block arrives, so they are ordered before whatever the last
-// block writes next (its signals). The counter is reset for the next kernel of this half.
+// Called by every thread of every block at the end of its work: true in the last block to arrive. The barrier puts
+// the block's writes (peer stores included) before thread 0's release fence and arrival; the last block's thread 0
+// acquires every arrival, and its barrier passes that on, so all blocks' writes are ordered before whatever the last
+// block writes next (its signals: release stores). One acq_rel fence per block on each side, as a grid barrier does:
+// a system-scope fence in every thread cost microseconds per kernel. The counter is reset for the next kernel of
+// this half.
 __device__ __forceinline__ bool arrive_last(unsigned int* counter) {
     __shared__ bool is_last;
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
+        sync::fence_acq_rel_sys();
         is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
         if (is_last) {
             *counter = 0;
-            __threadfence_system();
+            sync::fence_acq_rel_sys();
         }
     }
     __syncthreads();
@@ -221,6 +208,9 @@ size_t prefix_shared_bytes(const Layout& L) {
     return (static_cast<size_t>(L.num_local_experts) * (L.num_ranks + 1) + L.num_local_experts + 1) * sizeof(int);
 }
 
+// The send kernel's per-block plan: count[E] and window_bits[E].
+size_t plan_shared_bytes(const Layout& L) { return 2 * static_cast<size_t>(L.num_experts) * sizeof(int); }
+
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
 __device__ __forceinline__ float round_up_pow2(float scale) {
     const uint32_t bits = __float_as_uint(scale);
@@ -263,55 +253,66 @@ __device__ __forceinline__ int4 cast_to_fp8(const int4 (&raw)[2], bool active, b
     return make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]), static_cast<int>(packed[3]));
 }
 
-// ------------------------------------------------------------------ dispatch
-// A warp per expert (warps loop over experts): ballot scans of topk_idx in entry order give each entry its slot = its
-// rank among this rank's entries for that expert (token order, as the reference's stable sort), and the expert's
-// count. Entries that name no valid expert get slot -1: -1 itself, ids out of range and the second listing of an
-// expert by one token (the two last are reported, and skipped, so counts never exceed the tokens and slots stay
-// inside the expert's region).
-__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull) plan_sends_kernel(Layout L, Half h, const int64_t* topk_idx, int num_tokens,
-                                                                                  int num_topk, int* send_slot, int* expert_count) {
-    const int num_entries = num_tokens * num_topk;
-    for (int entry = blockIdx.x * blockDim.x + threadIdx.x; entry < num_entries; entry += gridDim.x * blockDim.x) {
-        const int64_t id = __ldg(topk_idx + entry);
-        if (id < 0 || id >= L.num_experts) {
-            send_slot[entry] = -1;
-            if (id != -1) report_bad_entry(h, kErrorDispatchRange, entry / num_topk, entry % num_topk, id);
-        }
+// ------------------------------------------------------------------ dispatch: the send plan, per block
+// The expert of entry (t, k) if it takes a slot, else -1: -1 itself, an id outside [-1, E) and the second listing of
+// an expert by one token (those two are reported by block 0, which plans every token, and skipped, so counts never
+// exceed the tokens and slots stay inside the expert's region).
+__device__ __forceinline__ int planned_expert(const Layout& L, const Half& h, const int64_t* topk_idx, int entry, int num_topk) {
+    const int64_t id = __ldg(topk_idx + entry);
+    const int t = entry / num_topk, k = entry % num_topk;
+    if (id < 0 || id >= L.num_experts) {
+        if (id != -1 && blockIdx.x == 0) report_bad_entry(h, kErrorDispatchRange, t, k, id);
+        return -1;
     }
-    const int lane = threadIdx.x % kWarpSize;
-    const unsigned lanes_below = (1u << lane) - 1;
-    for (int expert = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; expert < L.num_experts; expert += gridDim.x * kSmallWarps) {
-        int count = 0;
-        int last_token = -1;  // token of the last matching entry seen so far (entries of one token are adjacent)
-        for (int batch = 0; batch < num_entries; batch += kScanBatch * kWarpSize) {
-            int64_t ids[kScanBatch];
-#pragma unroll
-            for (int u = 0; u < kScanBatch; ++u) {
-                const int entry = batch + u * kWarpSize + lane;
-                ids[u] = entry < num_entries ? __ldg(topk_idx + entry) : -1;
-            }
-#pragma unroll
-            for (int u = 0; u < kScanBatch; ++u) {
-                const int base = batch + u * kWarpSize, entry = base + lane;
-                const bool match = ids[u] == expert;
-                const unsigned matches = __ballot_sync(kFullWarpMask, match);
-                if (matches == 0) continue;  // warp-uniform
-                const int token = entry / num_topk;
-                const unsigned below = matches & lanes_below;
-                const int previous_token = below != 0 ? (base + kWarpSize - 1 - __clz(below)) / num_topk : last_token;
-                const bool repeat = match && previous_token == token;
-                const unsigned kept = __ballot_sync(kFullWarpMask, match && !repeat);
-                if (match) {
-                    send_slot[entry] = repeat ? -1 : count + __popc(kept & lanes_below);
-                    if (repeat) report_bad_entry(h, kErrorDispatchRepeat, token, entry % num_topk, expert);
-                }
-                count += __popc(kept);
-                last_token = (base + kWarpSize - 1 - __clz(matches)) / num_topk;
-            }
-        }
-        if (lane == 0) expert_count[expert] = count;
+    for (int j = entry - k; j < entry; ++j) {
+        if (__ldg(topk_idx + j) != id) continue;
+        if (blockIdx.x == 0) report_bad_entry(h, kErrorDispatchRepeat, t, k, id);
+        return -1;
     }
+    return static_cast<int>(id);
+}
+
+// count[e] += the tokens in [token_begin, token_end) that list expert e (a thread per entry, shared atomics).
+__device__ __forceinline__ void count_tokens(const Layout& L, const Half& h, const int64_t* topk_idx, int token_begin, int token_end,
+                                             int num_topk, int* count) {
+    for (int entry = token_begin * num_topk + threadIdx.x; entry < token_end * num_topk; entry += blockDim.x) {
+        const int e = planned_expert(L, h, topk_idx, entry, num_topk);
+        if (e >= 0) atomicAdd(count + e, 1);
+    }
+}
+
+// The send plan, computed by every block of the send kernel for itself (no plan kernel, no grid-wide scan): the
+// slot of each entry of the block's tokens [token_begin, token_end) is its rank among this rank's entries for that
+// expert in token order (as the reference's stable sort), written to send_slot (-1: skipped); `count` (shared, [E])
+// ends as each expert's total, which the last block signals. Every token is counted once per block: tokens before
+// the block's, then its own in windows of 32 (bit i of window_bits[e]: token window + i lists e; a slot adds the
+// bits below its token), then the tokens after.
+__device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h, const int64_t* topk_idx, int num_tokens, int num_topk,
+                                                 int token_begin, int token_end, int* send_slot, int* count, unsigned* window_bits) {
+    const int E = L.num_experts;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    count_tokens(L, h, topk_idx, 0, token_begin, num_topk, count);
+    for (int window = token_begin; window < token_end; window += kWarpSize) {
+        const int window_end = min(window + kWarpSize, token_end);
+        for (int e = threadIdx.x; e < E; e += blockDim.x) window_bits[e] = 0;
+        __syncthreads();  // also: the counts of the tokens before the window are complete
+        for (int entry = window * num_topk + threadIdx.x; entry < window_end * num_topk; entry += blockDim.x) {
+            const int e = planned_expert(L, h, topk_idx, entry, num_topk);
+            if (e >= 0) atomicOr(window_bits + e, 1u << (entry / num_topk - window));
+        }
+        __syncthreads();
+        for (int entry = window * num_topk + threadIdx.x; entry < window_end * num_topk; entry += blockDim.x) {
+            const int e = planned_expert(L, h, topk_idx, entry, num_topk);
+            const unsigned below = (1u << (entry / num_topk - window)) - 1;
+            send_slot[entry] = e < 0 ? -1 : count[e] + __popc(window_bits[e] & below);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += __popc(window_bits[e]);  // the thread that cleared e
+    }
+    __syncthreads();  // the window counts are in before the atomics of the tokens after
+    count_tokens(L, h, topk_idx, token_end, num_tokens, num_topk, count);
+    __syncthreads();  // the slots (global, read back by this block's warps) and the counts are complete
 }
 
 // One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
@@ -376,48 +377,57 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
     }
 }
 
-// Token-parallel send: a warp per (token, step) item, kSendBatch items' loads in flight. Each token row is read once
-// and each step cast once, then stored into the slots the plan kernel chose. The last block to finish signals every
-// expert's count (after all blocks' writes, see arrive_last).
+// Token-parallel send: each block takes a contiguous range of (token, step) items, so its tokens are few and adjacent,
+// plans their slots (plan_block_sends), then a warp per item, kSendBatch items' loads in flight. Each token row is read
+// once and each step cast once, then stored into its slots. The last block to finish signals every expert's count
+// (after all blocks' writes, see arrive_last).
 template <bool kUseFP8>
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
-    send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, const int* send_slot, const int* expert_count,
-                       int num_tokens, int num_topk, bool round_scale) {
+    send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
+                       int num_topk, bool round_scale) {
+    extern __shared__ int plan_shared[];
+    int* count = plan_shared;                                            // [E]
+    unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + L.num_experts);  // [E]
+    const int H = L.hidden;
+    const int steps = ceil_div(H, kStepChannels);
+    const int64_t items = static_cast<int64_t>(num_tokens) * steps;
+    const int64_t item_begin = items * blockIdx.x / gridDim.x, item_end = items * (blockIdx.x + 1) / gridDim.x;
+    const int token_begin = static_cast<int>(item_begin / steps);
+    const int token_end = item_end > item_begin ? static_cast<int>((item_end - 1) / steps) + 1 : token_begin;
+    // The plan needs nothing from the peers: it runs before the wait for their acks.
+    plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, window_bits);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
     const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize, num_warps = gridDim.x * kSmallWarps;
-    const int H = L.hidden;
-    const int steps = ceil_div(H, kStepChannels);
-    const int items = num_tokens * steps;
     [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
-    for (int base = warp; base < items; base += num_warps * kSendBatch) {
+    for (int64_t base = item_begin + threadIdx.x / kWarpSize; base < item_end; base += kSmallWarps * kSendBatch) {
         int4 raw[kSendBatch][2];
         int lane_expert[kSendBatch], lane_slot[kSendBatch];
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-            const int item = base + u * num_warps;
+            const int64_t item = base + u * kSmallWarps;
             raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
             lane_expert[u] = lane_slot[u] = -1;
-            if (item >= items) continue;
-            const int t = item / steps, channel = (item % steps) * kStepChannels + lane * kLaneChannels;
+            if (item >= item_end) continue;
+            const int t = static_cast<int>(item / steps), channel = static_cast<int>(item % steps) * kStepChannels + lane * kLaneChannels;
             if (channel < H) {
                 const int4* row = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H + channel);
                 raw[u][0] = load_nc(row);
                 raw[u][1] = load_nc(row + 1);
             }
             if (lane < num_topk) {
-                // A slot >= 0 guarantees the id is a valid expert (the plan kernel checked it).
+                // A slot >= 0 guarantees the id is a valid expert (the plan checked it). Plain load: this block
+                // wrote the slots (visible after its barrier), so not through the read-only cache.
                 lane_slot[u] = send_slot[t * num_topk + lane];
                 lane_expert[u] = static_cast<int>(__ldg(topk_idx + t * num_topk + lane));
             }
         }
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-            const int item = base + u * num_warps;
-            if (item >= items) break;  // warp-uniform
-            send_step<kUseFP8>(L, h, item / steps, item % steps, raw[u], lane_expert[u], lane_slot[u], num_topk, round_scale, lane,
-                               issued_puts);
+            const int64_t item = base + u * kSmallWarps;
+            if (item >= item_end) break;  // warp-uniform
+            send_step<kUseFP8>(L, h, static_cast<int>(item / steps), static_cast<int>(item % steps), raw[u], lane_expert[u], lane_slot[u],
+                               num_topk, round_scale, lane, issued_puts);
         }
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
@@ -427,7 +437,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
         const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
         signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
-                    make_signal(epoch, static_cast<uint32_t>(expert_count[expert])), pe);
+                    make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
         quiet_puts(h, pe);
     }
 }
@@ -509,11 +519,16 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
 }
 
 // ------------------------------------------------------------------ combine
-// A warp per (received row, kChunkBytes chunk), spread over the grid: row `slot` of expert `le` goes back to its
-// source rank r, at [global expert][i] where i is its index in r's range (the slot r chose in dispatch). The last
-// block to finish flags every (expert, source rank) pair.
+// Sources whose rank is directly addressable (peer_base != 0) pull their rows: the expert outputs stay in this rank's
+// send area ([E_local, R * T, H], the zero-copy buffer) and each source's reduce reads them there. Only rows for
+// sources reached by NVSHMEM puts are pushed, to [global expert][i] of their receive area (i: the slot the source chose
+// in dispatch). So the send phase moves: nothing with zero copy and direct peers; with an ordinary `x`, one local copy
+// of each pulled row into the send area (the rows must outlive `x`: the sources read them later) and one push of each
+// other row; a warp per (row, kChunkBytes chunk), spread over the grid. The last block to finish flags every (expert,
+// source rank) pair with the first slot of that source's range (where its pull starts).
+// Rewriting the send area waits for the acks of this half's previous use, which every source sends after its reduce.
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
-    send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, const int64_t* layout_range) {
+    send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range) {
     extern __shared__ int prefix[];
     const int R = L.num_ranks, T = L.max_tokens, E_local = L.num_local_experts;
     int* begin = prefix;
@@ -526,7 +541,9 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
     const int64_t num_slots = static_cast<int64_t>(R) * T;
     const int chunks = static_cast<int>(ceil_div(row_bytes, kChunkBytes));
-    const int64_t items = static_cast<int64_t>(start[E_local]) * chunks;
+    // Zero copy with every peer addressable: every row is already where its source reads it. Skipping the walk matters:
+    // this case runs one block, and visiting each (row, chunk) only to skip it took 660 µs at 8 ranks x 128 tokens.
+    const int64_t items = x_is_staged && all_peers_direct ? 0 : static_cast<int64_t>(start[E_local]) * chunks;
     [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
     for (int64_t item = blockIdx.x * kSmallWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kSmallWarps) {
         const int row = static_cast<int>(item / chunks), chunk = static_cast<int>(item % chunks);
@@ -534,85 +551,110 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
         const int slot = row - start[local_expert];
         const int* b = begin + local_expert * (R + 1);
         const int pe = last_at_most(b, R, slot);  // the row's source rank
+        const bool pulled = h.peer_base[pe] != 0;
+        if (pulled && x_is_staged) continue;  // warp-uniform: the row is where the source reads it
         const int64_t offset = chunk * kChunkBytes, bytes = row_bytes - offset < kChunkBytes ? row_bytes - offset : kChunkBytes;
         const int64_t src_row = local_expert * num_slots + slot;
         const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + src_row * row_bytes + offset;
+        uint8_t* staged = h.local + L.send_offset() + src_row * row_bytes + offset;
+        if (pulled || !x_is_staged) {  // into the send area: pulled from there, or the source of an NVSHMEM put
+            warp_copy_batched(bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
+                              [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
+            if (pulled) continue;
+            __threadfence_system();
+            __syncwarp();
+        }
         uint8_t* dst =
             h.local + L.recv_offset() + ((static_cast<int64_t>(h.rank) * E_local + local_expert) * T + (slot - b[pe])) * row_bytes + offset;
-        if (h.peer_base[pe] == 0) {
-            if (!x_is_staged) {  // NVSHMEM puts read symmetric memory: stage the chunk first
-                uint8_t* staged = h.local + L.send_offset() + src_row * row_bytes + offset;
-                warp_copy_batched(bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
-                                  [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
-                __threadfence_system();
-                __syncwarp();
-                src = staged;
-            }
-            issued_puts = true;
-        }
-        warp_copy_to_peer(h, dst, src, bytes, pe, lane);
+#ifdef EP_DISPATCHER_WITH_NVSHMEM
+        nvshmemx_putmem_nbi_warp(dst, staged, static_cast<size_t>(bytes), pe);  // non-blocking; completed before arriving
+        issued_puts = true;
+#endif
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     if (!arrive_last(&h.state->send_arrived[h.half])) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
-        const int pe = pair % R;
-        signal_peer(h, combine_signals(L, h) + h.rank * E_local + pair / R, make_signal(epoch, 0), pe);
+        const int pe = pair % R, local_expert = pair / R;
+        const int first = begin[local_expert * (R + 1) + pe];
+        signal_peer(h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
         quiet_puts(h, pe);
     }
 }
 
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
-// Entries without a slot (-1, skipped in dispatch) add nothing; ids out of range are reported and skipped.
+// y[t,k] is read where the expert's rank holds it (its send area, from the first slot its flag carries) when that rank
+// is directly addressable, else from this rank's receive area (pushed). Entries without a slot (-1, skipped in
+// dispatch) add nothing; ids out of range are reported and skipped.
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
                                                                   const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
                                                                   int64_t* wait_stats) {
+    extern __shared__ int first_slot[];  // [E]: where this rank's range starts in the expert's outputs
     __shared__ unsigned long long epoch_shared;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
     const unsigned long long epoch = epoch_shared;
+    const int E_local = L.num_local_experts;
     // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
     for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x)
-        wait_signal_timed(combine_signals(L, h) + e, epoch, h, sync::kStageLowLatencyCombineRecv, e / L.num_local_experts, e, wait_stats,
-                          blockIdx.x == 0);
+        first_slot[e] = static_cast<int>(wait_signal_timed(combine_signals(L, h) + e, epoch, h, sync::kStageLowLatencyCombineRecv,
+                                                           e / E_local, e, wait_stats, blockIdx.x == 0) &
+                                         0xffffffffu);
     __syncthreads();
     const int chunks = L.hidden / 8;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
-    const uint8_t* rows = h.local + L.recv_offset();
+    const int64_t num_slots = static_cast<int64_t>(L.num_ranks) * L.max_tokens;
+    const uint8_t* pushed = h.local + L.recv_offset();
+    // The address of row `slot` of this rank's range at expert e.
+    const auto row_of = [&](int64_t e, int slot) -> const int4* {
+        const int pe = static_cast<int>(e / E_local);
+        if (h.peer_base[pe] == 0) return reinterpret_cast<const int4*>(pushed + (e * L.max_tokens + slot) * row_bytes);
+        const int64_t at = L.send_offset() + ((e % E_local) * num_slots + first_slot[e] + slot) * row_bytes;
+        return reinterpret_cast<const int4*>(h.peer_base[pe] + h.half_offset + at);
+    };
     for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < static_cast<int64_t>(num_tokens) * chunks;
          item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int t = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        // The rows of kReduceBatch entries are loaded before any is summed (their latencies overlap); the sum
-        // still runs over k ascending.
-        constexpr int kReduceBatch = 4;
-        for (int k0 = 0; k0 < num_topk; k0 += kReduceBatch) {
-            int4 raw[kReduceBatch];
-            float w[kReduceBatch];
-            bool used[kReduceBatch];
+        // The ids, slots and weights of kMetaBatch entries are loaded together (independent loads), then their rows
+        // kRowBatch at a time, each batch in flight before any of it is summed: three round trips per eight entries
+        // (id -> slot -> row was three per entry batch). The sum still runs over k ascending.
+        constexpr int kMetaBatch = 8, kRowBatch = 4;
+        for (int k0 = 0; k0 < num_topk; k0 += kMetaBatch) {
+            int64_t e[kMetaBatch];
+            int slot[kMetaBatch];
+            float w[kMetaBatch];
 #pragma unroll
-            for (int u = 0; u < kReduceBatch; ++u) {
+            for (int u = 0; u < kMetaBatch; ++u) {
                 const int k = k0 + u;
-                const int64_t e = k < num_topk ? topk_idx[t * num_topk + k] : -1;
-                const bool valid = e >= 0 && e < L.num_experts;
-                if (c == 0 && k < num_topk && !valid && e != -1) report_bad_entry(h, kErrorCombineRange, t, k, e);
-                const int slot = valid ? send_slot[t * num_topk + k] : -1;
-                used[u] = slot >= 0;
-                w[u] = 0.f;
-                if (!used[u]) continue;
-                w[u] = topk_weights[t * num_topk + k];
-                raw[u] = __ldcg(reinterpret_cast<const int4*>(rows + (e * L.max_tokens + slot) * row_bytes + c * 16));
+                e[u] = k < num_topk ? __ldg(topk_idx + t * num_topk + k) : -1;
+                slot[u] = k < num_topk ? send_slot[t * num_topk + k] : -1;
+                w[u] = k < num_topk ? __ldg(topk_weights + t * num_topk + k) : 0.f;
+            }
+            const int4* row[kMetaBatch];  // the entry's row, null: adds nothing
+#pragma unroll
+            for (int u = 0; u < kMetaBatch; ++u) {
+                const bool valid = e[u] >= 0 && e[u] < L.num_experts;
+                if (c == 0 && k0 + u < num_topk && !valid && e[u] != -1) report_bad_entry(h, kErrorCombineRange, t, k0 + u, e[u]);
+                row[u] = valid && slot[u] >= 0 ? row_of(e[u], slot[u]) : nullptr;
             }
 #pragma unroll
-            for (int u = 0; u < kReduceBatch; ++u) {
-                if (!used[u]) continue;
-                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+            for (int r0 = 0; r0 < kMetaBatch; r0 += kRowBatch) {
+                int4 raw[kRowBatch];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 y = __bfloat1622float2(pairs[j]);
-                    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[u], y.x));
-                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[u], y.y));
+                for (int u = 0; u < kRowBatch; ++u)
+                    if (row[r0 + u] != nullptr) raw[u] = __ldcg(row[r0 + u] + c);
+#pragma unroll
+                for (int u = 0; u < kRowBatch; ++u) {
+                    if (row[r0 + u] == nullptr) continue;
+                    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float2 y = __bfloat1622float2(pairs[j]);
+                        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[r0 + u], y.x));
+                        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[r0 + u], y.y));
+                    }
                 }
             }
         }
@@ -632,7 +674,6 @@ int small_grid(int64_t warps, int max_blocks) {
     return static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(warps, kSmallWarps), int64_t(max_blocks) * kSmallPerFull)));
 }
-int plan_grid(const Layout& L, int max_blocks) { return small_grid(L.num_experts, max_blocks); }
 int send_grid(const Layout& L, int max_blocks, int num_tokens) {
     return small_grid(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels), max_blocks);
 }
@@ -663,6 +704,8 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
     L.hidden = hidden;
     EP_HOST_ASSERT(prefix_shared_bytes(L) <= kMaxPrefixSharedBytes, "low-latency kernels support up to ",
                    kMaxPrefixSharedBytes / sizeof(int), " (local expert, rank) pairs, got ", num_experts / num_ranks, " x ", num_ranks);
+    EP_HOST_ASSERT(plan_shared_bytes(L) <= kMaxPrefixSharedBytes, "low-latency kernels support up to ",
+                   kMaxPrefixSharedBytes / (2 * sizeof(int)), " experts, got ", num_experts);
     L.dispatch_msg_bytes = align_up(kHeaderBytes + std::max<int64_t>(2 * hidden, hidden + hidden / kFp8GroupSize * 4), 16);
     const int64_t combine_msg_bytes = align_up(kHeaderBytes + 2 * int64_t(hidden), 16);
     const int64_t slots = int64_t(num_experts) * max_tokens;  // == E_local * R * T
@@ -674,20 +717,15 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 }
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                   bool round_scale, int* plan, cudaStream_t stream) {
-    int* send_slot = plan;
-    int* expert_count = plan + static_cast<int64_t>(num_tokens) * num_topk;
-    plan_sends_kernel<<<plan_grid(L, h.max_blocks), kSmallThreads, 0, stream>>>(L, h, topk_idx, num_tokens, num_topk, send_slot,
-                                                                                expert_count);
-    EP_CUDA_CHECK(cudaGetLastError());
+                   bool round_scale, int* send_slot, cudaStream_t stream) {
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     if (use_fp8)
-        send_tokens_kernel<true>
-            <<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
+        send_tokens_kernel<true><<<blocks, kSmallThreads, plan_shared_bytes(L), stream>>>(L, h, xb, topk_idx, send_slot, num_tokens,
+                                                                                          num_topk, round_scale);
     else
-        send_tokens_kernel<false>
-            <<<blocks, kSmallThreads, 0, stream>>>(L, h, xb, topk_idx, send_slot, expert_count, num_tokens, num_topk, round_scale);
+        send_tokens_kernel<false><<<blocks, kSmallThreads, plan_shared_bytes(L), stream>>>(L, h, xb, topk_idx, send_slot, num_tokens,
+                                                                                           num_topk, round_scale);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -707,21 +745,24 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, const int64_t* layout_range, cudaStream_t stream) {
-    send_outputs_kernel<<<combine_send_grid(L, h.max_blocks), kSmallThreads, prefix_shared_bytes(L), stream>>>(
-        L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged, layout_range);
+void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range,
+                  cudaStream_t stream) {
+    // Zero copy with every peer addressable: no row moves, one block waits for the acks and flags the sources.
+    const int blocks = x_is_staged && all_peers_direct ? 1 : combine_send_grid(L, h.max_blocks);
+    send_outputs_kernel<<<blocks, kSmallThreads, prefix_shared_bytes(L), stream>>>(
+        L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged, all_peers_direct, layout_range);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
                   int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream) {
-    reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, 0, stream>>>(
+    reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, L.num_experts * sizeof(int), stream>>>(
         L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), wait_stats);
     EP_CUDA_CHECK(cudaGetLastError());
 }
 
 int widest_grid_blocks(const Layout& L, int max_blocks, int num_tokens) {
-    const int small = std::max({plan_grid(L, max_blocks), send_grid(L, max_blocks, num_tokens), combine_send_grid(L, max_blocks)});
+    const int small = std::max(send_grid(L, max_blocks, num_tokens), combine_send_grid(L, max_blocks));
     return std::max({ceil_div(small, kSmallPerFull), receive_grid(L, max_blocks), reduce_grid(L, max_blocks, max_blocks, num_tokens)});
 }
 

@@ -3,24 +3,31 @@
 // Buffer: two halves (calls alternate between them, so one call's receive can overlap the next call's send).
 // Each half, inside the symmetric allocation, at the same offset on every rank:
 //   send   : dispatch: one staged message per token, only for peers reached by NVSHMEM puts (a put reads symmetric
-//            memory); combine: the [E_local, R * T, H] bf16 expert outputs (the zero-copy buffer, staged for puts).
+//            memory); combine: the [E_local, R * T, H] bf16 expert outputs (the zero-copy buffer), which directly
+//            addressable sources read in place, and the source of the puts to the others.
 //   recv   : dispatch: [E_local][R][T] messages, one region per (local expert, source rank), so senders never
-//            contend for slots; combine: [E][T] bf16 rows, expert-major, at the slot the source chose in dispatch.
+//            contend for slots; combine: [E][T] bf16 rows pushed by ranks that are not directly addressable,
+//            expert-major, at the slot the source chose in dispatch.
 //   signal : dispatch counts [E_local][R], combine flags [E], receive acks [R] (all uint64).
 // Signals carry the half's epoch (calls of that half so far + 1) in their upper 32 bits, so they never need
-// resetting; a dispatch count is in the lower 32 bits. After a rank has read a half it acks every sender, and a
-// sender waits for that ack before writing into the half again: a rank that runs a call ahead cannot overwrite
-// data a slower rank has not read yet.
+// resetting; the lower 32 bits carry a dispatch count, or in a combine flag the first slot of the source's range at
+// that expert. After a rank has read a half (its own receive area, or a peer's send area) it acks every peer, and a
+// rank waits for those acks before writing into a half again: a rank that runs a call ahead cannot overwrite data a
+// slower rank has not read yet.
 //
 // Work is spread over every block the rank may use (max_blocks, below), never one warp per expert:
-//   dispatch send = plan kernel (a warp per expert ballot-scans topk_idx: each entry's slot = its rank among this
-//     rank's entries for that expert, in token order; per-expert counts; bad ids reported and skipped) + send kernel
-//     (a warp per (token, 512-channel step): the row is read once, cast to FP8 once, and stored straight into its
-//     slot at each of the token's experts); the last block to finish signals every expert's count.
+//   dispatch send = one kernel. Each block takes a contiguous range of (token, 512-channel step) items and first plans
+//     its own tokens in shared memory (each entry's slot = its rank among this rank's entries for that expert, in
+//     token order; per-expert counts; bad ids reported and skipped), then a warp per item reads the row once, casts
+//     it to FP8 once and stores it straight into its slot at each of the token's experts; the last block to finish
+//     signals every expert's count.
 //   dispatch receive = every block waits for the counts, then a warp per received message copies it to its packed
 //     place (source ranks ascending, token order inside a source).
-//   combine send = a warp per (received row, 4 KB chunk) stores it back at the slot its source chose; the last block
-//     flags every (expert, source) pair. combine receive = waits for the flags, then sums in fp32, k ascending.
+//   combine send = moves no row for directly addressable sources with the zero-copy buffer (else a warp per (row,
+//     4 KB chunk) copies `x` into the send area, and pushes the rows of the other sources); the last block flags every
+//     (expert, source) pair. combine receive = waits for the flags, then reads each row where it is (the expert's
+//     rank's send area, or its own receive area) and sums in fp32, k ascending: each expert output crosses memory
+//     once on its way to the sum.
 // Ordering is therefore deterministic and matches the reference backend bit for bit.
 //
 // Content errors (an expert id outside [-1, E), an expert listed twice by a token) never stop a kernel: the entry is
@@ -38,7 +45,7 @@ namespace ep::low_latency {
 
 constexpr int kHeaderBytes = 16;  // a message's header: source token index (int32) + padding to 16 bytes
 constexpr int kMaxRanks = 1024;                      // shared-memory prefix arrays in the receive kernels
-constexpr int kMaxPrefixSharedBytes = 48 * 1024;     // their size: the default dynamic shared-memory limit
+constexpr int kMaxPrefixSharedBytes = 48 * 1024;     // their size (and the send plan's): the default dynamic shared-memory limit
 
 // The error record (one uint64 in host-mapped memory, written by a single store so it is never torn):
 // bits 60..63 code, 56..59 k, 32..55 token (clamped), 0..31 the bad value (int32, clamped).
@@ -91,9 +98,9 @@ struct Half {
     unsigned long long* error;  // device address of the host-mapped error record
 };
 
-// `plan`: int32 [num_tokens * num_topk + num_experts]: each entry's slot (-1: skipped), then each expert's count.
+// `send_slot`: int32 [num_tokens * num_topk]: each entry's slot at its expert (-1: skipped), which the combine reads.
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
-                   bool use_fp8, bool round_scale, int* plan, cudaStream_t stream);
+                   bool use_fp8, bool round_scale, int* send_slot, cudaStream_t stream);
 
 // `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the receive kernel spun waiting for each
 // source rank's signals, one add per waited signal: dispatch per (local expert, source rank) count, combine per expert
@@ -101,8 +108,9 @@ void dispatch_send(const Layout& layout, const Half& half, const void* x, const 
 void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream);
 
-void combine_send(const Layout& layout, const Half& half, const void* x, bool x_is_staged, const int64_t* layout_range,
-                  cudaStream_t stream);
+// `all_peers_direct`: every peer is directly addressable (none is reached by NVSHMEM puts).
+void combine_send(const Layout& layout, const Half& half, const void* x, bool x_is_staged, bool all_peers_direct,
+                  const int64_t* layout_range, cudaStream_t stream);
 
 void combine_recv(const Layout& layout, const Half& half, const int64_t* topk_idx, const float* topk_weights, const int* send_slot,
                   int num_tokens, int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream);

@@ -36,6 +36,12 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
     return value;
 }
 
+// A release/acquire fence at system scope: orders this thread's earlier accesses (and, cumulatively, those it has
+// observed, e.g. its block's through a preceding __syncthreads) before its later ones, for every GPU and the host.
+// Cheaper than __threadfence_system (fence.sc.sys), which also orders against other SC fences: no protocol here
+// needs that.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 // A load that always goes to memory (peers' buffers are written by other GPUs/processes; L1 is not coherent).
 __device__ __forceinline__ int load_relaxed_sys(const int* ptr) {
     int value;

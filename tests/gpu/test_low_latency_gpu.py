@@ -130,13 +130,15 @@ def _modes(hidden: int):
     return modes
 
 
-def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool) -> list:
-    cuda, ref = _buffers(world, allow_nvlink)
+def _compare_worker(rank: int, world: int, seeds, allow_nvlink: bool, shapes=SHAPES, max_blocks=None) -> list:
+    if max_blocks is not None:  # read when the buffer is made
+        os.environ["EP_DISPATCHER_LL_MAX_BLOCKS"] = str(max_blocks)
+    cuda, ref = _buffers(world, allow_nvlink, shapes)
     device = torch.device("cuda", torch.cuda.current_device())
     if not allow_nvlink:
         assert cuda._backend.ll.num_direct_peers == 0, "allow_nvlink_for_low_latency_mode=False must use NVSHMEM puts"
     errors: list = []
-    for shape_index, (max_tokens, hidden, per_rank, topk) in enumerate(SHAPES):
+    for shape_index, (max_tokens, hidden, per_rank, topk) in enumerate(shapes):
         for seed in seeds:
             case = _case(seed * 10 + shape_index, world, max_tokens, hidden, per_rank, topk)
             E = case.num_experts
@@ -208,6 +210,16 @@ def _raise(results) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_low_latency_matches_reference(world):
     _raise(run(_compare_worker, world, SEEDS, True))
+
+
+# One block budget: the send kernel's four blocks then plan 33 to 64 tokens each, in several 32-token windows, and the
+# receive and sum kernels loop over many items per thread.
+FEW_BLOCK_SHAPES = [(256, 640, 3, 3), (128, 7168, None, 8)]
+
+
+@pytest.mark.parametrize("world", WORLDS[:1])
+def test_low_latency_matches_reference_with_one_block_budget(world):
+    _raise(run(_compare_worker, world, SEEDS, True, FEW_BLOCK_SHAPES, 1))
 
 
 GRAPH_SHAPE = (64, 2048, 4, 4)

@@ -20,8 +20,7 @@ from .nvshmem import init_nvshmem, release_nvshmem
 class LowLatencyState:
     """What a low-latency dispatch keeps for its combine (``LowLatencyHandle.backend_state``).
 
-    send_slot: the send plan, each (token, k) entry's slot at its expert (what the combine reads), then per-expert
-    counts.
+    send_slot: the send plan, each (token, k) entry's slot at its expert (what the combine reads).
     """
 
     send_slot: torch.Tensor
@@ -82,7 +81,7 @@ class LowLatencyEngine:
         hidden = x.size(1)
         max_tokens = args.num_max_dispatch_tokens_per_rank
         # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
-        # (token, k) entry's slot at its expert (what the combine reads), then per-expert counts.
+        # (token, k) entry's slot at its expert (what the combine reads).
         send_slot, src_info, layout_range = self.buffer.dispatch_send(
             half, x, topk_idx, max_tokens, num_experts, args.use_fp8, args.round_scale
         )
