@@ -26,6 +26,7 @@ from ep_dispatcher.launch import spawn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_intranode import dispatch_inputs, intranode_calls, nvl_bytes  # noqa: E402
+from profile_low_latency import short_kernel_name  # noqa: E402
 
 
 def _event_us(fn, calls: int) -> float:
@@ -48,7 +49,7 @@ def _kernel_us(fn, profiled: int) -> dict:
     per_kernel = collections.defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name[:96]] += event.device_time / profiled
+            per_kernel[short_kernel_name(event.name)] += event.device_time / profiled
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 

@@ -30,8 +30,16 @@ PAIRS_PER_GRAPH = 4
 PROFILED_REPLAYS = 4
 
 
-def _short(name: str) -> str:
-    """A kernel's own name: the mangled prefix of kernels in an anonymous namespace hides it in the first chars."""
+def short_kernel_name(name: str) -> str:
+    """A kernel's own name (``send_tokens_kernel``): kernels in an anonymous namespace carry a long mangled prefix,
+    the same for every kernel of a file, so a cut-off name does not tell them apart. In a mangled name an identifier
+    is preceded by its length; a demangled one is matched as it stands."""
+    for match in re.finditer(r"_kernel", name):
+        end = match.end()
+        for start in range(end - len("_kernel"), 0, -1):
+            length = str(end - start)
+            if name[start - len(length) : start] == length and (name[start].isalpha() or name[start] == "_"):
+                return name[start:end]
     found = re.findall(r"(\w+_kernel)", name)
     return found[-1] if found else name[:48]
 
@@ -68,7 +76,7 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
             key=lambda e: e.time_range.start,
         )
         t0 = kernels[0].time_range.start if kernels else 0
-        timeline = [(_short(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
+        timeline = [(short_kernel_name(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
         durations: Dict[str, List[float]] = {}
         for name, _, duration in timeline:
             durations.setdefault(name, []).append(duration)

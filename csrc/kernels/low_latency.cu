@@ -209,7 +209,7 @@ size_t prefix_shared_bytes(const Layout& L) {
 }
 
 // The send kernel's per-block plan: count[E] and window_bits[E].
-size_t plan_shared_bytes(const Layout& L) { return 2 * static_cast<size_t>(L.num_experts) * sizeof(int); }
+size_t plan_shared_bytes(const Layout& L) { return 3 * static_cast<size_t>(L.num_experts) * sizeof(int); }
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
 __device__ __forceinline__ float round_up_pow2(float scale) {
@@ -254,64 +254,81 @@ __device__ __forceinline__ int4 cast_to_fp8(const int4 (&raw)[2], bool active, b
 }
 
 // ------------------------------------------------------------------ dispatch: the send plan, per block
-// The expert of entry (t, k) if it takes a slot, else -1: -1 itself, an id outside [-1, E) and the second listing of
-// an expert by one token (those two are reported by block 0, which plans every token, and skipped, so counts never
-// exceed the tokens and slots stay inside the expert's region).
-__device__ __forceinline__ int planned_expert(const Layout& L, const Half& h, const int64_t* topk_idx, int entry, int num_topk) {
-    const int64_t id = __ldg(topk_idx + entry);
-    const int t = entry / num_topk, k = entry % num_topk;
-    if (id < 0 || id >= L.num_experts) {
-        if (id != -1 && blockIdx.x == 0) report_bad_entry(h, kErrorDispatchRange, t, k, id);
-        return -1;
-    }
-    for (int j = entry - k; j < entry; ++j) {
-        if (__ldg(topk_idx + j) != id) continue;
-        if (blockIdx.x == 0) report_bad_entry(h, kErrorDispatchRepeat, t, k, id);
-        return -1;
-    }
-    return static_cast<int>(id);
-}
-
-// count[e] += the tokens in [token_begin, token_end) that list expert e (a thread per entry, shared atomics).
-__device__ __forceinline__ void count_tokens(const Layout& L, const Half& h, const int64_t* topk_idx, int token_begin, int token_end,
-                                             int num_topk, int* count) {
-    for (int entry = token_begin * num_topk + threadIdx.x; entry < token_end * num_topk; entry += blockDim.x) {
-        const int e = planned_expert(L, h, topk_idx, entry, num_topk);
-        if (e >= 0) atomicAdd(count + e, 1);
+// The experts of token t that take a slot, in k order: expert[k], or -1 for -1 itself, an id outside [-1, E) and the
+// second listing of an expert by one token (those two are reported when `report`, and skipped, so counts never exceed
+// the tokens and slots stay inside the expert's region). A thread per token: its ids are loaded together, one round
+// trip, and the repeats are found in registers.
+__device__ __forceinline__ void planned_experts(const Layout& L, const Half& h, const int64_t* topk_idx, int t, int num_topk, bool report,
+                                                int (&expert)[kMaxTopk]) {
+    int64_t id[kMaxTopk];
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) id[k] = k < num_topk ? __ldg(topk_idx + static_cast<int64_t>(t) * num_topk + k) : -1;
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+        expert[k] = -1;
+        if (k >= num_topk || id[k] == -1) continue;
+        if (id[k] < -1 || id[k] >= L.num_experts) {
+            if (report) report_bad_entry(h, kErrorDispatchRange, t, k, id[k]);
+            continue;
+        }
+        bool repeat = false;
+#pragma unroll
+        for (int j = 0; j < k; ++j) repeat |= id[j] == id[k];
+        if (repeat) {
+            if (report) report_bad_entry(h, kErrorDispatchRepeat, t, k, id[k]);
+            continue;
+        }
+        expert[k] = static_cast<int>(id[k]);
     }
 }
 
 // The send plan, computed by every block of the send kernel for itself (no plan kernel, no grid-wide scan): the
 // slot of each entry of the block's tokens [token_begin, token_end) is its rank among this rank's entries for that
 // expert in token order (as the reference's stable sort), written to send_slot (-1: skipped); `count` (shared, [E])
-// ends as each expert's total, which the last block signals. Every token is counted once per block: tokens before
-// the block's, then its own in windows of 32 (bit i of window_bits[e]: token window + i lists e; a slot adds the
-// bits below its token), then the tokens after.
+// ends as each expert's total, which the last block signals. One pass, a thread per token, counts the tokens before
+// the block's into `count` and those after into `count_after`; then the block's own tokens go in windows of 32 (bit i
+// of window_bits[e]: token window + i lists e; a slot adds the bits below its token). Block 0 reports bad entries.
 __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h, const int64_t* topk_idx, int num_tokens, int num_topk,
-                                                 int token_begin, int token_end, int* send_slot, int* count, unsigned* window_bits) {
+                                                 int token_begin, int token_end, int* send_slot, int* count, int* count_after,
+                                                 unsigned* window_bits) {
     const int E = L.num_experts;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    const bool report = blockIdx.x == 0;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = count_after[e] = 0;
     __syncthreads();
-    count_tokens(L, h, topk_idx, 0, token_begin, num_topk, count);
+    const int others = num_tokens - (token_end - token_begin);
+    for (int i = threadIdx.x; i < others; i += blockDim.x) {
+        const int t = i < token_begin ? i : i + (token_end - token_begin);
+        int expert[kMaxTopk];
+        planned_experts(L, h, topk_idx, t, num_topk, report, expert);
+        int* counter = t < token_begin ? count : count_after;
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k)
+            if (expert[k] >= 0) atomicAdd(counter + expert[k], 1);
+    }
     for (int window = token_begin; window < token_end; window += kWarpSize) {
-        const int window_end = min(window + kWarpSize, token_end);
+        const int t = window + static_cast<int>(threadIdx.x);  // threads [0, 32) take the window's tokens
+        const bool mine = threadIdx.x < kWarpSize && t < token_end;
         for (int e = threadIdx.x; e < E; e += blockDim.x) window_bits[e] = 0;
+        int expert[kMaxTopk];
+        if (mine) planned_experts(L, h, topk_idx, t, num_topk, report, expert);
         __syncthreads();  // also: the counts of the tokens before the window are complete
-        for (int entry = window * num_topk + threadIdx.x; entry < window_end * num_topk; entry += blockDim.x) {
-            const int e = planned_expert(L, h, topk_idx, entry, num_topk);
-            if (e >= 0) atomicOr(window_bits + e, 1u << (entry / num_topk - window));
-        }
+        if (mine)
+#pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k)
+                if (expert[k] >= 0) atomicOr(window_bits + expert[k], 1u << threadIdx.x);
         __syncthreads();
-        for (int entry = window * num_topk + threadIdx.x; entry < window_end * num_topk; entry += blockDim.x) {
-            const int e = planned_expert(L, h, topk_idx, entry, num_topk);
-            const unsigned below = (1u << (entry / num_topk - window)) - 1;
-            send_slot[entry] = e < 0 ? -1 : count[e] + __popc(window_bits[e] & below);
+        if (mine) {
+            const unsigned below = (1u << threadIdx.x) - 1;
+#pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k)
+                if (k < num_topk)
+                    send_slot[t * num_topk + k] = expert[k] < 0 ? -1 : count[expert[k]] + __popc(window_bits[expert[k]] & below);
         }
         __syncthreads();
         for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += __popc(window_bits[e]);  // the thread that cleared e
     }
-    __syncthreads();  // the window counts are in before the atomics of the tokens after
-    count_tokens(L, h, topk_idx, token_end, num_tokens, num_topk, count);
+    __syncthreads();  // the counts of the tokens after are complete (a block may have no window)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += count_after[e];
     __syncthreads();  // the slots (global, read back by this block's warps) and the counts are complete
 }
 
@@ -386,8 +403,9 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
                        int num_topk, bool round_scale) {
     extern __shared__ int plan_shared[];
-    int* count = plan_shared;                                            // [E]
-    unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + L.num_experts);  // [E]
+    int* count = plan_shared;                                                              // [E]
+    int* count_after = plan_shared + L.num_experts;                                        // [E]
+    unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + 2 * L.num_experts);  // [E]
     const int H = L.hidden;
     const int steps = ceil_div(H, kStepChannels);
     const int64_t items = static_cast<int64_t>(num_tokens) * steps;
@@ -395,7 +413,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int token_begin = static_cast<int>(item_begin / steps);
     const int token_end = item_end > item_begin ? static_cast<int>((item_end - 1) / steps) + 1 : token_begin;
     // The plan needs nothing from the peers: it runs before the wait for their acks.
-    plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, window_bits);
+    plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
     const int lane = threadIdx.x % kWarpSize;
@@ -617,10 +635,10 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
          item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int t = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        // The ids, slots and weights of kMetaBatch entries are loaded together (independent loads), then their rows
-        // kRowBatch at a time, each batch in flight before any of it is summed: three round trips per eight entries
-        // (id -> slot -> row was three per entry batch). The sum still runs over k ascending.
-        constexpr int kMetaBatch = 8, kRowBatch = 4;
+        // The ids, slots and weights of kMetaBatch entries are loaded together (independent loads), then all their
+        // rows, in flight before any of it is summed: two round trips per eight entries (the loop is latency-bound:
+        // a thread walks several chunks one after another). The sum still runs over k ascending.
+        constexpr int kMetaBatch = 8, kRowBatch = 8;
         for (int k0 = 0; k0 < num_topk; k0 += kMetaBatch) {
             int64_t e[kMetaBatch];
             int slot[kMetaBatch];
@@ -705,7 +723,7 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
     EP_HOST_ASSERT(prefix_shared_bytes(L) <= kMaxPrefixSharedBytes, "low-latency kernels support up to ",
                    kMaxPrefixSharedBytes / sizeof(int), " (local expert, rank) pairs, got ", num_experts / num_ranks, " x ", num_ranks);
     EP_HOST_ASSERT(plan_shared_bytes(L) <= kMaxPrefixSharedBytes, "low-latency kernels support up to ",
-                   kMaxPrefixSharedBytes / (2 * sizeof(int)), " experts, got ", num_experts);
+                   kMaxPrefixSharedBytes / (3 * sizeof(int)), " experts, got ", num_experts);
     L.dispatch_msg_bytes = align_up(kHeaderBytes + std::max<int64_t>(2 * hidden, hidden + hidden / kFp8GroupSize * 4), 16);
     const int64_t combine_msg_bytes = align_up(kHeaderBytes + 2 * int64_t(hidden), 16);
     const int64_t slots = int64_t(num_experts) * max_tokens;  // == E_local * R * T
