@@ -65,8 +65,9 @@ class LowLatencyBuffer {
     }
 
     // Launches the send phase. Returns (send_slot, src_info, layout_range): send_slot is int32 [num_tokens * num_topk],
-    // each (token, k) entry's slot at its expert (-1: skipped), which the combine reads; src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors, filled by
-    // the receive phase. Allocated here (one entry per call, no Python-side allocations).
+    // each (token, k) entry's slot at its expert (-1: skipped), which the combine reads; src_info [E_local, R * T] int32
+    // and layout_range [E_local, R] int64 are the handle's tensors, filled by the receive phase. Allocated here (one
+    // entry per call, no Python-side allocations).
     std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx,
                                                                  int64_t max_tokens, int64_t num_experts, bool use_fp8, bool round_scale) {
         const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current

@@ -208,7 +208,7 @@ size_t prefix_shared_bytes(const Layout& L) {
     return (static_cast<size_t>(L.num_local_experts) * (L.num_ranks + 1) + L.num_local_experts + 1) * sizeof(int);
 }
 
-// The send kernel's per-block plan: count[E] and window_bits[E].
+// The send kernel's per-block plan: count[E], count_after[E] and window_bits[E].
 size_t plan_shared_bytes(const Layout& L) { return 3 * static_cast<size_t>(L.num_experts) * sizeof(int); }
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
         const int64_t src_row = local_expert * num_slots + slot;
         const uint8_t* src = reinterpret_cast<const uint8_t*>(x) + src_row * row_bytes + offset;
         uint8_t* staged = h.local + L.send_offset() + src_row * row_bytes + offset;
-        if (pulled || !x_is_staged) {  // into the send area: pulled from there, or the source of an NVSHMEM put
+        if (!x_is_staged) {  // into the send area: pulled from there, or the source of an NVSHMEM put
             warp_copy_batched(bytes / 16, lane, [&](int64_t j) { return load_nc(reinterpret_cast<const int4*>(src) + j); },
                               [&](int64_t j, const int4& v) { reinterpret_cast<int4*>(staged)[j] = v; });
             if (pulled) continue;
