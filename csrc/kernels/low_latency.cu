@@ -601,14 +601,20 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     }
 }
 
-// Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, 8 channels per thread.
+// Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, BF16 out.
 // y[t,k] is read where the expert's rank holds it (its send area, from the first slot its flag carries) when that rank
 // is directly addressable, else from this rank's receive area (pushed). Entries without a slot (-1, skipped in
 // dispatch) add nothing; ids out of range are reported and skipped.
+// A warp per (token, part of the hidden dimension): lane k resolves entry k (id, slot, weight -> the row's address)
+// once, into shared memory, then each lane walks its 16-byte chunks two at a time, the rows of kRowBatch entries in
+// flight before any is summed. (A thread per chunk redid a token's index, slot and address arithmetic for every
+// chunk: ncu found that integer work, not memory, bounding the kernel.)
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
                                                                   const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
                                                                   int64_t* wait_stats) {
     extern __shared__ int first_slot[];  // [E]: where this rank's range starts in the expert's outputs
+    __shared__ const int4* entry_row[kWarps][kMaxTopk];  // each warp's current token: entry k's row, null: adds nothing
+    __shared__ float entry_weight[kWarps][kMaxTopk];
     __shared__ unsigned long long epoch_shared;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
@@ -631,56 +637,66 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
         const int64_t at = L.send_offset() + ((e % E_local) * num_slots + first_slot[e] + slot) * row_bytes;
         return reinterpret_cast<const int4*>(h.peer_base[pe] + h.half_offset + at);
     };
-    for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < static_cast<int64_t>(num_tokens) * chunks;
-         item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int t = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        // The ids, slots and weights of kMetaBatch entries are loaded together (independent loads), then all their
-        // rows, in flight before any of it is summed: two round trips per eight entries (the loop is latency-bound:
-        // a thread walks several chunks one after another). The sum still runs over k ascending.
-        constexpr int kMetaBatch = 8, kRowBatch = 8;
-        for (int k0 = 0; k0 < num_topk; k0 += kMetaBatch) {
-            int64_t e[kMetaBatch];
-            int slot[kMetaBatch];
-            float w[kMetaBatch];
-#pragma unroll
-            for (int u = 0; u < kMetaBatch; ++u) {
-                const int k = k0 + u;
-                e[u] = k < num_topk ? __ldg(topk_idx + t * num_topk + k) : -1;
-                slot[u] = k < num_topk ? send_slot[t * num_topk + k] : -1;
-                w[u] = k < num_topk ? __ldg(topk_weights + t * num_topk + k) : 0.f;
-            }
-            const int4* row[kMetaBatch];  // the entry's row, null: adds nothing
-#pragma unroll
-            for (int u = 0; u < kMetaBatch; ++u) {
-                const bool valid = e[u] >= 0 && e[u] < L.num_experts;
-                if (c == 0 && k0 + u < num_topk && !valid && e[u] != -1) report_bad_entry(h, kErrorCombineRange, t, k0 + u, e[u]);
-                row[u] = valid && slot[u] >= 0 ? row_of(e[u], slot[u]) : nullptr;
-            }
-#pragma unroll
-            for (int r0 = 0; r0 < kMetaBatch; r0 += kRowBatch) {
-                int4 raw[kRowBatch];
-#pragma unroll
-                for (int u = 0; u < kRowBatch; ++u)
-                    if (row[r0 + u] != nullptr) raw[u] = __ldcg(row[r0 + u] + c);
+    const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int total_warps = static_cast<int>(gridDim.x) * kWarps;
+    // Few tokens: each is cut into parts so that every warp has one (at most a chunk per lane per part).
+    const int parts = max(1, min(ceil_div(total_warps, max(num_tokens, 1)), ceil_div(chunks, kWarpSize)));
+    const int64_t items = static_cast<int64_t>(num_tokens) * parts;
+    constexpr int kRowBatch = 8;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items; item += total_warps) {
+        const int t = static_cast<int>(item / parts), part = static_cast<int>(item % parts);
+        if (lane < num_topk) {
+            const int64_t entry = static_cast<int64_t>(t) * num_topk + lane;
+            const int64_t e = __ldg(topk_idx + entry);
+            const int slot = send_slot[entry];
+            const bool valid = e >= 0 && e < L.num_experts;
+            if (part == 0 && !valid && e != -1) report_bad_entry(h, kErrorCombineRange, t, lane, e);
+            entry_row[warp][lane] = valid && slot >= 0 ? row_of(e, slot) : nullptr;
+            entry_weight[warp][lane] = __ldg(topk_weights + entry);
+        }
+        __syncwarp();
+        const int c_end = static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts);
+        for (int c0 = static_cast<int>(static_cast<int64_t>(chunks) * part / parts) + lane; c0 < c_end; c0 += 2 * kWarpSize) {
+            const int c[2] = {c0, c0 + kWarpSize};
+            const bool second = c[1] < c_end;
+            float acc[2][8] = {};
+            for (int k0 = 0; k0 < num_topk; k0 += kRowBatch) {
+                const int4* row[kRowBatch];
+                int4 raw[kRowBatch][2];
 #pragma unroll
                 for (int u = 0; u < kRowBatch; ++u) {
-                    if (row[r0 + u] == nullptr) continue;
-                    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+                    row[u] = k0 + u < num_topk ? entry_row[warp][k0 + u] : nullptr;
+                    if (row[u] == nullptr) continue;
+                    raw[u][0] = __ldcg(row[u] + c[0]);
+                    if (second) raw[u][1] = __ldcg(row[u] + c[1]);
+                }
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float2 y = __bfloat1622float2(pairs[j]);
-                        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[r0 + u], y.x));
-                        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[r0 + u], y.y));
+                for (int u = 0; u < kRowBatch; ++u) {  // k ascending, as the reference
+                    if (row[u] == nullptr) continue;
+                    const float w = entry_weight[warp][k0 + u];
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u][v]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const float2 y = __bfloat1622float2(pairs[j]);
+                            acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w, y.x));
+                            acc[v][2 * j + 1] = __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w, y.y));
+                        }
                     }
                 }
             }
-        }
-        int4 result;
-        __nv_bfloat162* packed = reinterpret_cast<__nv_bfloat162*>(&result);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) packed[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-        reinterpret_cast<int4*>(out)[item] = result;
+            for (int v = 0; v < 2; ++v) {
+                if (v == 1 && !second) break;
+                int4 result;
+                __nv_bfloat162* packed = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) packed[j] = __floats2bfloat162_rn(acc[v][2 * j], acc[v][2 * j + 1]);
+                reinterpret_cast<int4*>(out)[static_cast<int64_t>(t) * chunks + c[v]] = result;
+            }
+        }
+        __syncwarp();  // the entries are read before this warp's next token overwrites them
     }
     finish_receive(L, h, epoch);
 }
