@@ -29,6 +29,22 @@ __device__ __forceinline__ int64_t load_published(char* base, int field) {
     return static_cast<int64_t>(*reinterpret_cast<const volatile long long*>(published_of(base) + field));
 }
 
+// Calls use(src, load(src)) for src = 0 .. num_ranks - 1 in order, with kPeerBatch loads in flight at a time: a thread
+// that walks every peer's value waits one round trip per batch, not one per peer (under a busy HBM each costs
+// microseconds).
+constexpr int kPeerBatch = 8;
+template <typename T, typename Load, typename Use>
+__device__ __forceinline__ void for_each_peer_value(int num_ranks, Load&& load, Use&& use) {
+    for (int first = 0; first < num_ranks; first += kPeerBatch) {
+        T values[kPeerBatch];
+#pragma unroll
+        for (int j = 0; j < kPeerBatch; ++j) values[j] = first + j < num_ranks ? load(first + j) : T{};
+#pragma unroll
+        for (int j = 0; j < kPeerBatch; ++j)
+            if (first + j < num_ranks) use(first + j, values[j]);
+    }
+}
+
 constexpr int kScanThreads = 512;  // one block per destination rank scans that rank's column of is_token_in_rank
 
 // Records the first input error of this call in this rank's signal area (later finders lose the compare-and-swap).
@@ -52,40 +68,47 @@ __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch,
     if (clear_input_error && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
 }
 
-// Tokens per thread in one tile of send_positions_kernel's scan: a warp's loads cover 32 * kScanItems consecutive
-// tokens, so each load instruction touches few cache lines (one per row of is_token_in_rank when num_ranks is 1).
-constexpr int kScanItems = 4;
-constexpr int kScanTile = kScanThreads * kScanItems;
-// Tokens one scan block covers: a destination's column is cut into chunks scanned side by side (one block per chunk
-// walked a large input tile by tile at one SM's pace). A multiple of 16 tokens, so a chunk's start is a whole number
-// of 16-byte vectors of is_token_in_rank.
-constexpr int kScanChunk = 2 * kScanTile;
-
-// The scan's running total from tile to tile (cub calls it from the block's first warp; lane 0's value counts).
-struct RunningTotal {
-    int total;
-    __device__ int operator()(int tile_total) {
-        const int before = total;
-        total += tile_total;
-        return before;
-    }
-};
+// send_positions_kernel's scan: one tile of kScanItems consecutive tokens per thread is a block's whole chunk of a
+// destination's column, so that a block loads everything it scans at once (under a busy HBM each dependent round trip
+// costs microseconds; the kernel's time is its chain of round trips). A multiple of 16 tokens, so a chunk's start is a
+// whole number of 16-byte vectors of is_token_in_rank.
+constexpr int kScanItems = 8;
+constexpr int kScanChunk = kScanThreads * kScanItems;
+// Vectors of is_token_in_rank a thread loads together when it counts the hits before its block's chunk.
+constexpr int kCountBatch = 8;
+// topk_idx entries a range-check thread loads together (two 16-byte vectors).
+constexpr int kCheckEntries = 4;
 
 // This thread's share of the hits in column `dst` of is_token_in_rank [.., num_ranks] over tokens [0, num_tokens):
-// 16-byte loads when the matrix is 16-byte aligned (num_tokens is a multiple of 16, see kScanChunk), else bytes.
+// 16-byte loads when the matrix is 16-byte aligned (num_tokens is a multiple of 16, see kScanChunk), kCountBatch of
+// them in flight, else bytes. A vector's first byte lies in column (16 v) % num_ranks, advanced without a division.
 __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, int num_ranks, int dst, int num_tokens) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(is_token_in_rank);
     const int64_t num_bytes = static_cast<int64_t>(num_tokens) * num_ranks;
     int hits = 0;
     if (reinterpret_cast<uintptr_t>(bytes) % 16 == 0) {
-        for (int64_t v = threadIdx.x; v < num_bytes / 16; v += blockDim.x) {
-            const int4 word = __ldg(reinterpret_cast<const int4*>(bytes) + v);
-            const auto* b = reinterpret_cast<const uint8_t*>(&word);
-            int column = static_cast<int>((v * 16) % num_ranks);
+        const auto* vectors = reinterpret_cast<const int4*>(bytes);
+        const int64_t num_vectors = num_bytes / 16;
+        const int stride_column = static_cast<int>((int64_t{blockDim.x} * 16) % num_ranks);
+        int column = static_cast<int>((int64_t{threadIdx.x} * 16) % num_ranks);
+        for (int64_t first = threadIdx.x; first < num_vectors; first += int64_t{kCountBatch} * blockDim.x) {
+            int4 words[kCountBatch];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                hits += column == dst && b[j] != 0 ? 1 : 0;
-                column = column + 1 == num_ranks ? 0 : column + 1;
+            for (int u = 0; u < kCountBatch; ++u) {
+                const int64_t v = first + int64_t{u} * blockDim.x;
+                words[u] = v < num_vectors ? __ldg(vectors + v) : int4{};
+            }
+#pragma unroll
+            for (int u = 0; u < kCountBatch; ++u) {
+                const auto* b = reinterpret_cast<const uint8_t*>(&words[u]);
+                int c = column;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    hits += c == dst && b[j] != 0 ? 1 : 0;
+                    c = c + 1 == num_ranks ? 0 : c + 1;
+                }
+                column += stride_column;
+                column = column >= num_ranks ? column - num_ranks : column;
             }
         }
     } else {
@@ -95,9 +118,9 @@ __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, i
 }
 
 // Blocks [0, num_ranks * num_chunks) each scan one kScanChunk chunk of one destination's column of is_token_in_rank,
-// tile by tile, starting from the hits of that column's earlier chunks (counted again by the block: no block waits for
-// another). The last chunk's block writes the destination's count. Every block of the grid (the launcher adds blocks
-// for large inputs) takes a share of topk_idx's range check, which reads every entry.
+// starting from the hits of that column's earlier chunks (counted again by the block: no block waits for another). The
+// last chunk's block writes the destination's count. The blocks after them check topk_idx's range, kCheckEntries
+// entries a thread, grid-stride.
 __global__ void __launch_bounds__(kScanThreads)
     send_positions_kernel(Peers peers, int rank, int num_ranks, int num_chunks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
@@ -110,49 +133,64 @@ __global__ void __launch_bounds__(kScanThreads)
     } storage;
     __shared__ int hits_before;
     InputError* error = input_error_of(peers.base[rank]);
-    if (static_cast<int>(blockIdx.x) < num_ranks * num_chunks) {  // uniform over the block: the scan's barriers are never split
+    const int scan_blocks = num_ranks * num_chunks;
+    if (static_cast<int>(blockIdx.x) < scan_blocks) {  // uniform over the block: the scan's barriers are never split
         const int dst = static_cast<int>(blockIdx.x) % num_ranks, chunk = static_cast<int>(blockIdx.x) / num_ranks;
         const int chunk_begin = chunk * kScanChunk, chunk_end = min(num_tokens, chunk_begin + kScanChunk);
+        const int first = chunk_begin + static_cast<int>(threadIdx.x) * kScanItems;
+        // The chunk's bytes are loaded before the earlier chunks are counted: both loads are in flight together.
+        bool hit[kScanItems];
+#pragma unroll
+        for (int i = 0; i < kScanItems; ++i)
+            hit[i] = first + i < chunk_end && __ldg(reinterpret_cast<const uint8_t*>(is_token_in_rank) +
+                                                    static_cast<int64_t>(first + i) * num_ranks + dst) != 0;
+        const int expected = chunk == num_chunks - 1 && threadIdx.x == 0 ? __ldg(num_tokens_per_rank + dst) : 0;
         int below = 0;  // thread 0's sum is the block's
         if (chunk > 0) below = BlockReduce(storage.reduce).Sum(column_hits_below(is_token_in_rank, num_ranks, dst, chunk_begin));
         if (threadIdx.x == 0) hits_before = below;
         __syncthreads();  // hits_before is written, and storage is free for the scan
-        RunningTotal running{hits_before};
-        for (int tile = chunk_begin; tile < chunk_end; tile += kScanTile) {
-            const int first = tile + static_cast<int>(threadIdx.x) * kScanItems;
-            bool hit[kScanItems];
-            int hits = 0;
+        int hits = 0;
 #pragma unroll
-            for (int i = 0; i < kScanItems; ++i) {
-                const int t = first + i;
-                hit[i] = t < chunk_end && is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst];
-                hits += hit[i] ? 1 : 0;
-            }
-            int position;
-            BlockScan(storage.scan).ExclusiveSum(hits, position, running);
-            __syncthreads();  // storage is reused by the next tile
+        for (int i = 0; i < kScanItems; ++i) hits += hit[i] ? 1 : 0;
+        int position, chunk_total;
+        BlockScan(storage.scan).ExclusiveSum(hits, position, chunk_total);
+        position += hits_before;
 #pragma unroll
-            for (int i = 0; i < kScanItems; ++i) {
-                const int t = first + i;
-                if (t >= chunk_end) break;
-                send_pos[static_cast<int64_t>(t) * num_ranks + dst] = position;
-                position += hit[i] ? 1 : 0;
-            }
+        for (int i = 0; i < kScanItems; ++i) {
+            if (first + i < chunk_end) send_pos[static_cast<int64_t>(first + i) * num_ranks + dst] = position;
+            position += hit[i] ? 1 : 0;
         }
         if (threadIdx.x == 0 && chunk == num_chunks - 1) {
-            counts[dst] = running.total;
-            if (num_tokens_per_rank[dst] != running.total)
-                report_input_error(error, kTokensPerRankMismatch, dst, running.total, num_tokens_per_rank[dst]);
+            const int total = hits_before + chunk_total;
+            counts[dst] = total;
+            if (expected != total) report_input_error(error, kTokensPerRankMismatch, dst, total, expected);
         }
+        return;
     }
-    if (topk_idx != nullptr) {
-        const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
-        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x; i < entries;
-             i += static_cast<int64_t>(gridDim.x) * kScanThreads) {
-            const int64_t expert = topk_idx[i];
-            if (expert < -1 || expert >= num_experts)
-                report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
+    if (topk_idx == nullptr) return;
+    // topk_idx is 8-byte aligned; a 16-byte vector needs an even first entry, so a thread's kCheckEntries start at a
+    // multiple of kCheckEntries and the (at most one) odd leading entry goes to the first check thread.
+    const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
+    const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
+    const auto check = [&](int64_t i, int64_t expert) {
+        if (expert < -1 || expert >= num_experts)
+            report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
+    };
+    const int64_t thread = static_cast<int64_t>(blockIdx.x - scan_blocks) * kScanThreads + threadIdx.x;
+    const int64_t threads = static_cast<int64_t>(gridDim.x - scan_blocks) * kScanThreads;
+    if (thread == 0 && skew != 0 && entries > 0) check(0, topk_idx[0]);
+    for (int64_t i = skew + thread * kCheckEntries; i < entries; i += threads * kCheckEntries) {
+        int64_t expert[kCheckEntries];
+        if (i + kCheckEntries <= entries) {
+            const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
+            const longlong2 a = __ldg(v), b = __ldg(v + 1);
+            expert[0] = a.x, expert[1] = a.y, expert[2] = b.x, expert[3] = b.y;
+        } else {
+#pragma unroll
+            for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
         }
+#pragma unroll
+        for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
     }
 }
 
@@ -197,18 +235,22 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
     }
     // Per receiver: its prefix column, and where this call's outputs go in the block it published.
     for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
-        int prefix = 0;
-        for (int src = 0; src < num_ranks; ++src) {
-            prefix += sync::load_relaxed_sys(counts_of(peers.base[src]) + dst);
-            rank_prefix_matrix[src * num_ranks + dst] = prefix;
-        }
-        if (plan == nullptr) continue;
         char* theirs = peers.base[dst];
-        const int64_t fixed_rows = load_published(theirs, kPubBlockRows);
+        // The receiver's published block, loaded before the column walk so that the loads overlap.
+        const int64_t fixed_rows = plan != nullptr ? load_published(theirs, kPubBlockRows) : 0;
+        const int64_t base = plan != nullptr ? load_published(theirs, kPubBlockOffset) : 0;
+        const int64_t block_room = plan != nullptr ? load_published(theirs, kPubBlockBytes) : 0;
+        int prefix = 0;
+        for_each_peer_value<int>(
+            num_ranks, [&](int src) { return sync::load_relaxed_sys(counts_of(peers.base[src]) + dst); },
+            [&](int src, int count) {
+                prefix += count;
+                rank_prefix_matrix[src * num_ranks + dst] = prefix;
+            });
+        if (plan == nullptr) continue;
         const int64_t rows = fixed_rows >= 0 ? fixed_rows : prefix;
-        const int64_t base = load_published(theirs, kPubBlockOffset);
         const ReceiveLayout layout = receive_layout(rows, x_row_bytes, scale_row_bytes, num_topk, true);
-        if (layout.end > load_published(theirs, kPubBlockBytes)) atomicAnd(&all_fit, 0);
+        if (layout.end > block_room) atomicAnd(&all_fit, 0);
         const bool topk = num_topk > 0, scaled = scale_row_bytes > 0;  // -1: a field this call does not write
         plan[dst] = ReceiverRegions{base + layout.x,    scaled ? base + layout.scales : -1, topk ? base + layout.topk : -1,
                                     topk ? base + layout.weights : -1, base + layout.src, rows};
@@ -217,8 +259,10 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         const int num_local_experts = num_experts / num_ranks;
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
             int total = 0;
-            for (int src = 0; src < num_ranks; ++src)
-                total += sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + rank * num_local_experts + e);
+            const int column = rank * num_local_experts + e;
+            for_each_peer_value<int>(
+                num_ranks, [&](int src) { return sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + column); },
+                [&](int, int count) { total += count; });
             const int aligned = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
             recv_per_expert[e] = aligned;
             if (report != nullptr) report->recv_per_expert[e] = aligned;
@@ -234,11 +278,12 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         int* recv_pairs = slot_base + num_experts;
         for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
             int total = 0, before = 0;
-            for (int src = 0; src < num_ranks; ++src) {
-                const int count = sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + g);
-                total += count;
-                before += src < rank ? count : 0;
-            }
+            for_each_peer_value<int>(
+                num_ranks, [&](int src) { return sync::load_relaxed_sys(expert_counts_of(peers.base[src]) + g); },
+                [&](int src, int count) {
+                    total += count;
+                    before += src < rank ? count : 0;
+                });
             column_total[g] = total;
             slot_base[g] = before;
             if (g / num_local_experts == rank) recv_pairs[g - rank * num_local_experts] = total;
@@ -257,21 +302,42 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
     __syncthreads();
     if (threadIdx.x == 0) {
         // Every rank reports the same (lowest) rank's error, so all ranks raise together.
+        // Each peer's error code, row shape and pool size, loaded together (one round trip per kPeerBatch peers).
+        struct PeerState {
+            int error_code;
+            int64_t row_shape, pool_bytes;
+        };
+        int first_error = -1, other_shape = -1;  // the lowest rank with an input error, and with rows of another shape
+        int64_t other_row_shape = row_shape;
+        long long min_pool = pool_bytes;
+        for_each_peer_value<PeerState>(
+            num_ranks,
+            [&](int src) {
+                char* theirs = peers.base[src];
+                return PeerState{sync::load_relaxed_sys(&input_error_of(theirs)->code), load_published(theirs, kPubRowShape),
+                                 load_published(theirs, kPubPoolBytes)};
+            },
+            [&](int src, const PeerState& peer) {
+                if (first_error < 0 && peer.error_code != kInputOk) first_error = src;
+                if (other_shape < 0 && peer.row_shape != row_shape) {
+                    other_shape = src;
+                    other_row_shape = peer.row_shape;
+                }
+                min_pool = min(min_pool, static_cast<long long>(peer.pool_bytes));
+            });
         InputError found{};
-        for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
-            const InputError* e = input_error_of(peers.base[src]);
-            if (sync::load_relaxed_sys(&e->code) != kInputOk) {
-                found.code = sync::load_relaxed_sys(&e->code);
-                found.where = sync::load_relaxed_sys(&e->where);
-                found.slot = sync::load_relaxed_sys(&e->slot);
-                found.value = static_cast<long long>(*reinterpret_cast<const volatile long long*>(&e->value));
-                found.rank = src;
-            }
+        if (first_error >= 0) {
+            const InputError* e = input_error_of(peers.base[first_error]);
+            found.code = sync::load_relaxed_sys(&e->code);
+            found.where = sync::load_relaxed_sys(&e->where);
+            found.slot = sync::load_relaxed_sys(&e->slot);
+            found.value = static_cast<long long>(*reinterpret_cast<const volatile long long*>(&e->value));
+            found.rank = first_error;
         }
         // Ranks sending rows of another shape would write past the blocks laid out for ours: refuse (first such rank).
-        for (int src = 0; src < num_ranks && found.code == kInputOk; ++src) {
-            const int64_t theirs = load_published(peers.base[src], kPubRowShape);
-            if (theirs == row_shape) continue;
+        if (found.code == kInputOk && other_shape >= 0) {
+            const int src = other_shape;
+            const int64_t theirs = other_row_shape;
             const int x_row = static_cast<int>(theirs >> 40), scale_row = static_cast<int>((theirs >> 16) & 0xffffff),
                       topk = static_cast<int>(theirs & 0xffff);
             found.code = kRowShapeMismatch;
@@ -282,9 +348,6 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         }
         if (go != nullptr) *go = all_fit && found.code == kInputOk ? 1 : 0;
         if (report != nullptr) {
-            long long min_pool = pool_bytes;
-            for (int r = 0; r < num_ranks; ++r)
-                min_pool = min(min_pool, static_cast<long long>(load_published(peers.base[r], kPubPoolBytes)));
             report->error = found;
             report->fits = all_fit;
             report->min_pool_bytes = min_pool;
@@ -297,7 +360,7 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
 __device__ __forceinline__ int recv_base(const int* count_matrix, int num_ranks, int src, int dst) {
     int base = 0;
-    for (int s = 0; s < src; ++s) base += count_matrix[s * num_ranks + dst];
+    for_each_peer_value<int>(src, [&](int s) { return count_matrix[s * num_ranks + dst]; }, [&](int, int count) { base += count; });
     return base;
 }
 
@@ -829,15 +892,14 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
                     cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
-    // A block per (destination, chunk of tokens), and enough blocks that the range check reads topk_idx at a good
-    // share of the memory bandwidth (one block per 8 entries a thread; with one or two ranks a block per rank would
-    // read a large topk_idx at a single SM's pace). At least one chunk: its block writes the count, even of no tokens.
-    constexpr int64_t kEntriesPerCheckBlock = int64_t{kScanThreads} * 8;
-    constexpr int kMaxCheckBlocks = 128;
+    // A block per (destination, chunk of tokens), at least one chunk (its block writes the count, even of no tokens);
+    // then range-check blocks, enough that each thread loads one batch of topk_idx (a grid-stride loop past the cap).
+    constexpr int kMaxCheckBlocks = 1024;
     const int num_chunks = std::max(1, ceil_div(num_tokens, kScanChunk));
     const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
-    const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, ceil_div(entries, kEntriesPerCheckBlock)));
-    send_positions_kernel<<<std::max(num_ranks * num_chunks, check_blocks), kScanThreads, 0, stream>>>(
+    const int64_t check_batches = ceil_div<int64_t>(entries, int64_t{kScanThreads} * kCheckEntries);
+    const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, check_batches));
+    send_positions_kernel<<<num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream>>>(
         peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos,
         counts);
     EP_CUDA_CHECK(cudaGetLastError());

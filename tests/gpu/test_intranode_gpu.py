@@ -223,6 +223,20 @@ def _input_error_worker(rank: int, world: int) -> list:
     except ValueError as e:
         messages.append(str(e))
 
+    # topk_idx 8 bytes past a 16-byte boundary (the range check reads 16-byte vectors: a leading entry and a tail
+    # read alone), bad in its first entry, then in its last.
+    for token, column, value in ((0, 0, -2), (num_tokens - 1, topk - 1, num_experts)):
+        skewed = torch.empty(topk_idx.numel() + 2, dtype=torch.int64, device=device)[1:-1].view(topk_idx.shape)
+        assert skewed.data_ptr() % 16 == 8
+        skewed.copy_(topk_idx)
+        if rank == 0:
+            skewed[token, column] = value
+        try:
+            cuda.dispatch(x, num_tokens_per_rank=per_rank, topk_idx=skewed, **kwargs)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+
     bad_counts = per_rank.clone()
     if rank == 0:
         bad_counts[world - 1] += 3
@@ -251,9 +265,11 @@ def _input_error_worker(rank: int, world: int) -> list:
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
-    for rank, (range_error, count_error, shape_error) in enumerate(run(_input_error_worker, world)):
+    for rank, (range_error, first_error, last_error, count_error, shape_error) in enumerate(run(_input_error_worker, world)):
         assert "topk_idx: expected entries in [-1, " in range_error, (rank, range_error)
         assert f"got {4 * world + 7} at token 5, column 1" in range_error, (rank, range_error)
+        assert "got -2 at token 0, column 0" in first_error, (rank, first_error)
+        assert f"got {4 * world} at token 63, column 1" in last_error, (rank, last_error)
         assert (rank == world - 1) == ("on rank" not in range_error), (rank, range_error)
         assert "num_tokens_per_rank: entry" in count_error, (rank, count_error)
         assert "is_token_in_rank sends" in count_error, (rank, count_error)
