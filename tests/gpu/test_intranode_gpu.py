@@ -265,7 +265,8 @@ def _input_error_worker(rank: int, world: int) -> list:
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w in (2, 4)])
 def test_intranode_bad_contents_raise_on_every_rank(world: int) -> None:
-    for rank, (range_error, first_error, last_error, count_error, shape_error) in enumerate(run(_input_error_worker, world)):
+    for rank, messages in enumerate(run(_input_error_worker, world)):
+        range_error, first_error, last_error, count_error, shape_error = messages
         assert "topk_idx: expected entries in [-1, " in range_error, (rank, range_error)
         assert f"got {4 * world + 7} at token 5, column 1" in range_error, (rank, range_error)
         assert "got -2 at token 0, column 0" in first_error, (rank, first_error)
