@@ -76,8 +76,9 @@ constexpr int kScanItems = 8;
 constexpr int kScanChunk = kScanThreads * kScanItems;
 // Vectors of is_token_in_rank a thread loads together when it counts the hits before its block's chunk.
 constexpr int kCountBatch = 8;
-// topk_idx entries a range-check thread loads together (two 16-byte vectors).
-constexpr int kCheckEntries = 4;
+// topk_idx entries a range-check thread loads together (four 16-byte vectors): few enough blocks that the whole grid
+// fits on the GPU at once at 65536 tokens x top-8.
+constexpr int kCheckEntries = 8;
 
 // This thread's share of the hits in column `dst` of is_token_in_rank [.., num_ranks] over tokens [0, num_tokens):
 // 16-byte loads when the matrix is 16-byte aligned (num_tokens is a multiple of 16, see kScanChunk), kCountBatch of
@@ -168,8 +169,8 @@ __global__ void __launch_bounds__(kScanThreads)
         return;
     }
     if (topk_idx == nullptr) return;
-    // topk_idx is 8-byte aligned; a 16-byte vector needs an even first entry, so a thread's kCheckEntries start at a
-    // multiple of kCheckEntries and the (at most one) odd leading entry goes to the first check thread.
+    // topk_idx is 8-byte aligned; 16-byte vectors start at entry `skew` (0 or 1), threads kCheckEntries apart from
+    // there, and the leading entry before it (if any) goes to the first check thread.
     const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
     const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
     const auto check = [&](int64_t i, int64_t expert) {
@@ -183,8 +184,11 @@ __global__ void __launch_bounds__(kScanThreads)
         int64_t expert[kCheckEntries];
         if (i + kCheckEntries <= entries) {
             const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
-            const longlong2 a = __ldg(v), b = __ldg(v + 1);
-            expert[0] = a.x, expert[1] = a.y, expert[2] = b.x, expert[3] = b.y;
+            longlong2 pairs[kCheckEntries / 2];
+#pragma unroll
+            for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
+#pragma unroll
+            for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
         } else {
 #pragma unroll
             for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;

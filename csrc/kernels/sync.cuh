@@ -145,7 +145,9 @@ __device__ __forceinline__ void block_barrier(int* const* peer_flags, int* my_fl
     if (threadIdx.x == 0) next_epoch = *epoch + 1;
     __syncthreads();
     const int e = next_epoch;
-    if (threadIdx.x < num_ranks) {
+    // One rank has no peer to meet: stream order already puts its earlier kernels' writes before its later ones, so the
+    // system-scope fence and the wait on its own flag would only cost time.
+    if (threadIdx.x < num_ranks && num_ranks > 1) {
         const int peer = static_cast<int>(threadIdx.x);
         __threadfence_system();  // this rank's earlier writes (this kernel and earlier ones) before the flag
         store_release_sys(peer_flags[peer] + rank, e);
