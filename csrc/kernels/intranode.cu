@@ -45,7 +45,7 @@ __device__ __forceinline__ void for_each_peer_value(int num_ranks, Load&& load, 
     }
 }
 
-constexpr int kScanThreads = 512;  // one block per destination rank scans that rank's column of is_token_in_rank
+constexpr int kScanThreads = 512;  // a block of the scan kernels (send_positions_kernel, expert_positions_kernel)
 
 // Records the first input error of this call in this rank's signal area (later finders lose the compare-and-swap).
 __device__ __forceinline__ void report_input_error(InputError* error, int code, int where, int slot, long long value) {
@@ -305,8 +305,8 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        // Every rank reports the same (lowest) rank's error, so all ranks raise together.
-        // Each peer's error code, row shape and pool size, loaded together (one round trip per kPeerBatch peers).
+        // Every rank reports the same (lowest) rank's error, so all ranks raise together. Each peer's error code, row
+        // shape and pool size are loaded together (one round trip per kPeerBatch peers).
         struct PeerState {
             int error_code;
             int64_t row_shape, pool_bytes;
@@ -340,12 +340,10 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         }
         // Ranks sending rows of another shape would write past the blocks laid out for ours: refuse (first such rank).
         if (found.code == kInputOk && other_shape >= 0) {
-            const int src = other_shape;
-            const int64_t theirs = other_row_shape;
-            const int x_row = static_cast<int>(theirs >> 40), scale_row = static_cast<int>((theirs >> 16) & 0xffffff),
-                      topk = static_cast<int>(theirs & 0xffff);
+            const int x_row = static_cast<int>(other_row_shape >> 40), scale_row = static_cast<int>((other_row_shape >> 16) & 0xffffff),
+                      topk = static_cast<int>(other_row_shape & 0xffff);
             found.code = kRowShapeMismatch;
-            found.rank = src;
+            found.rank = other_shape;
             found.where = x_row != x_row_bytes ? 0 : scale_row != scale_row_bytes ? 1 : 2;
             found.slot = found.where == 0 ? x_row_bytes : found.where == 1 ? scale_row_bytes : num_topk;
             found.value = found.where == 0 ? x_row : found.where == 1 ? scale_row : topk;
