@@ -40,15 +40,19 @@ TIMEOUT_S = float(os.environ.get("EP_LL_TEST_TIMEOUT_S", "20"))  # kernel waits:
 VERBOSE = os.environ.get("EP_LL_TEST_VERBOSE") == "1"
 
 
+# A rank stuck on the host (e.g. in an NVSHMEM barrier after a peer failed) prints its stacks and exits once this long
+# has passed without progress: every _log call re-arms the timer, so it bounds one step, not a worker's whole life.
+STACKS_AFTER_S = float(os.environ.get("EP_LL_TEST_STACKS_AFTER_S", "120"))
+
+
 def _log(*parts) -> None:
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=True, file=sys.stderr)  # re-arming replaces the timer
     if VERBOSE:
         print(f"[rank {torch.distributed.get_rank()}]", *parts, flush=True)
 
 
 def _env() -> None:
-    # A rank stuck on the host (e.g. in an NVSHMEM barrier after a peer failed) prints its stacks and exits.
-    stacks_after_s = float(os.environ.get("EP_LL_TEST_STACKS_AFTER_S", "120"))
-    faulthandler.dump_traceback_later(stacks_after_s, exit=True, file=sys.stderr)
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=True, file=sys.stderr)
     use_nvshmem_on_one_machine()  # one GPU, no NIC (DESIGN.md section 5)
 
 
@@ -263,19 +267,22 @@ def _graph_worker(rank: int, world: int, seeds) -> list:
     with torch.cuda.graph(graph):
         g_data, g_count, g_out = step(static_x, static_idx, static_w, cuda, True)
     for seed in seeds:
+        _log("graph replay, seed", seed)
         x, idx, w = load(seed)
         poison_allocator(POISON_BYTES, device)
         graph.replay()
         torch.cuda.synchronize()
         data_r, count_r, out_r = step(x, idx, w, ref, False)
         if not torch.equal(g_count, count_r):
-            errors.append(f"rank {rank} graph seed {seed}: recv_count")
+            errors.append(f"rank {rank} graph seed {seed}: recv_count {g_count.tolist()} != {count_r.tolist()}")
             continue
         for e, n in enumerate(count_r.tolist()):
-            if not torch.equal(_bytes(g_data[e, :n]), _bytes(data_r[e, :n])):
-                errors.append(f"rank {rank} graph seed {seed}: expert {e} data")
+            bad_rows = (_bytes(g_data[e, :n]) != _bytes(data_r[e, :n])).any(dim=-1).nonzero().flatten()
+            if bad_rows.numel():
+                errors.append(f"rank {rank} graph seed {seed}: expert {e}, rows {bad_rows[:8].tolist()} of {n} differ")
         if not torch.equal(g_out, out_r):
-            errors.append(f"rank {rank} graph seed {seed}: combined output")
+            bad_tokens = (g_out != out_r).any(dim=-1).nonzero().flatten()
+            errors.append(f"rank {rank} graph seed {seed}: combined output, tokens {bad_tokens[:8].tolist()} differ")
     cuda.destroy()
     return errors
 
@@ -293,6 +300,7 @@ def _stress_worker(rank: int, world: int, iterations: int) -> list:
     E = per_rank * world
     errors: list = []
     for it in range(iterations):
+        _log("stress iteration", it)
         cases = [_case(1000 + 2 * it + j, world, max_tokens, hidden, per_rank, topk) for j in range(2)]
         inputs = [[t.to(device) for t in rc.rank_inputs(c, rank)] for c in cases]
         outs = [
