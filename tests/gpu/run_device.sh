@@ -7,7 +7,11 @@
 #   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin;
 #   megatron_rows (issue 21) times rows (a) our plugin, (b) Megatron's flex dispatcher on REAL DeepEP v1.2.1 (built
 #   in .deepep/DeepEP if needed: carry .deepep) and (c) the flex dispatcher on the switch, at 2 and 4 ranks.
+#   side_by_side (issue 18) runs .deepep/run_side_by_side.sh on "$EP_SBS_CONFIGS" (default "8:16 8:8 4:24"; carry
+#   .deepep); select runs pytest on $EP_SELECT (files and flags, e.g. "-x tests/gpu/test_low_latency_gpu.py -k graph").
 # Each phase after build runs in its own MPS session: a killed multi-process test can leave MPS refusing clients.
+# EP_DEVICE_LIMIT_S (seconds, e.g. the device call's limit): a phase that would start with under 60 s left is skipped
+# and said so, so the logs of the phases that ran still come back before the call is killed.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never use NVLink multicast
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo  # one GPU, no NIC (DESIGN.md 5)
@@ -99,7 +103,11 @@ internode_bench() {  # EP_INTERNODE_PER_NODE="4 2": 8 ranks as 2 nodes x 4, then
 }
 
 rc=0
+started=$(date +%s)
 for phase in $PHASES; do
+    if [ "${EP_DEVICE_LIMIT_S:-0}" -gt 0 ] && [ $(( EP_DEVICE_LIMIT_S - ($(date +%s) - started) )) -lt 60 ]; then
+        echo "=== $phase skipped: under 60 s of EP_DEVICE_LIMIT_S=$EP_DEVICE_LIMIT_S left"; rc=1; continue
+    fi
     phase_start "$phase"
     case $phase in
     build)
@@ -127,6 +135,16 @@ for phase in $PHASES; do
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
         gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
+        ;;
+    side_by_side)
+        # The script starts and stops MPS around each of its runs itself.
+        timeout "${EP_SBS_TIMEOUT:-300}" bash .deepep/run_side_by_side.sh "${EP_SBS_CONFIGS:-8:16 8:8 4:24}" \
+            > "$OUT/side_by_side.log" 2>&1 || rc=1
+        grep -v "^\s*$" "$OUT/side_by_side.log" | tail -40
+        ;;
+    select)
+        # shellcheck disable=SC2086  # EP_SELECT is a list of pytest arguments
+        gpu_tests select.log "${EP_SELECT_TIMEOUT:-300}" ${EP_SELECT:?set EP_SELECT to pytest arguments}
         ;;
     timeout)
         # Last: the timeout test traps a kernel on purpose.
