@@ -1,4 +1,4 @@
-"""What the GPU test modules share: the module-level skips, the world sizes, a rank's device.
+"""What the GPU test modules share: the module-level skips, the world sizes, a rank's device, where results differ.
 
 Call ``require_extension()`` (or ``require_extension(nvshmem=True)``) at the top of a module, before importing what
 needs the extension: it skips the whole module when there is no GPU, no built ``ep_dispatcher._C`` or (with
@@ -39,3 +39,16 @@ def set_device(rank: int) -> torch.device:
     """Rank ``rank``'s GPU: ranks share the visible GPUs round-robin (all on one GPU when only one is visible)."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def where_differs(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two same-shaped tensors differ: how many rows, the first rows, and the first differing row's values."""
+    if a.dim() == 0:
+        return f"{a.item()} vs {b.item()}"
+    bad = (a != b).reshape(a.size(0), -1).any(1)  # NaN != NaN counts as a difference too
+    rows = bad.nonzero().flatten()
+    first = int(rows[0]) if rows.numel() else 0
+    return (
+        f"shape {tuple(a.shape)}, {rows.numel()} rows differ, first {rows[:6].tolist()}; "
+        f"row {first}: {a[first].flatten()[:6].tolist()} vs {b[first].flatten()[:6].tolist()}"
+    )

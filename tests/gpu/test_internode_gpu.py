@@ -17,7 +17,7 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
-from tests.gpu.common import NUM_SMS, require_extension, set_device
+from tests.gpu.common import NUM_SMS, require_extension, set_device, where_differs
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -53,19 +53,6 @@ def _buffers(world: int, per_node: int):
     return cuda, ref
 
 
-def _where(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two same-shaped tensors differ: how many rows, the first rows, and the first differing row's values."""
-    if a.dim() == 0:
-        return f"{a.item()} vs {b.item()}"
-    bad = (a != b).reshape(a.size(0), -1).any(1)  # NaN != NaN counts as a difference too
-    rows = bad.nonzero().flatten()
-    first = int(rows[0]) if rows.numel() else 0
-    return (
-        f"shape {tuple(a.shape)}, {rows.numel()} rows differ, first {rows[:6].tolist()}; "
-        f"row {first}: {a[first].flatten()[:6].tolist()} vs {b[first].flatten()[:6].tolist()}"
-    )
-
-
 def _same(errors: list, what: str, a, b) -> None:
     if a is None or b is None:
         if not (a is None and b is None):
@@ -77,7 +64,7 @@ def _same(errors: list, what: str, a, b) -> None:
         if a.shape != b.shape or a.dtype != b.dtype:
             errors.append(f"{what}: differs (shapes {tuple(a.shape)} vs {tuple(b.shape)}, {a.dtype} vs {b.dtype})")
         elif not torch.equal(a.cpu(), b.cpu()):
-            errors.append(f"{what}: differs ({_where(a.cpu(), b.cpu())})")
+            errors.append(f"{what}: differs ({where_differs(a.cpu(), b.cpu())})")
     elif a != b:
         errors.append(f"{what}: {a!r} != {b!r}")
 

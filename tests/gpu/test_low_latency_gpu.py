@@ -21,7 +21,7 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
-from tests.gpu.common import WORLDS, require_extension, set_device
+from tests.gpu.common import WORLDS, require_extension, set_device, where_differs
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -45,14 +45,18 @@ VERBOSE = os.environ.get("EP_LL_TEST_VERBOSE") == "1"
 STACKS_AFTER_S = float(os.environ.get("EP_LL_TEST_STACKS_AFTER_S", "120"))
 
 
+def _restart_stack_timer() -> None:
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=True, file=sys.stderr)  # replaces a running timer
+
+
 def _log(*parts) -> None:
-    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=True, file=sys.stderr)  # re-arming replaces the timer
+    _restart_stack_timer()
     if VERBOSE:
         print(f"[rank {torch.distributed.get_rank()}]", *parts, flush=True)
 
 
 def _env() -> None:
-    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=True, file=sys.stderr)
+    _restart_stack_timer()
     use_nvshmem_on_one_machine()  # one GPU, no NIC (DESIGN.md section 5)
 
 
@@ -277,12 +281,11 @@ def _graph_worker(rank: int, world: int, seeds) -> list:
             errors.append(f"rank {rank} graph seed {seed}: recv_count {g_count.tolist()} != {count_r.tolist()}")
             continue
         for e, n in enumerate(count_r.tolist()):
-            bad_rows = (_bytes(g_data[e, :n]) != _bytes(data_r[e, :n])).any(dim=-1).nonzero().flatten()
-            if bad_rows.numel():
-                errors.append(f"rank {rank} graph seed {seed}: expert {e}, rows {bad_rows[:8].tolist()} of {n} differ")
+            got, expected = _bytes(g_data[e, :n]), _bytes(data_r[e, :n])
+            if not torch.equal(got, expected):
+                errors.append(f"rank {rank} graph seed {seed}: expert {e} data ({where_differs(got, expected)})")
         if not torch.equal(g_out, out_r):
-            bad_tokens = (g_out != out_r).any(dim=-1).nonzero().flatten()
-            errors.append(f"rank {rank} graph seed {seed}: combined output, tokens {bad_tokens[:8].tolist()} differ")
+            errors.append(f"rank {rank} graph seed {seed}: combined output ({where_differs(g_out, out_r)})")
     cuda.destroy()
     return errors
 
