@@ -13,6 +13,15 @@ def _fmt_shape(shape: ShapeSpec) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
+def _shape_matches(got: torch.Size, shape: ShapeSpec) -> bool:
+    if len(got) != len(shape):
+        return False
+    for want, size in zip(shape, got):
+        if want is not None and want != size:
+            return False
+    return True
+
+
 def check_tensor(
     name: str,
     t,
@@ -22,18 +31,19 @@ def check_tensor(
     device: Optional[torch.device] = None,
     contiguous: bool = True,
 ) -> torch.Tensor:
-    """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor with the given dtype(s), shape and device."""
+    """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor with the given dtype(s), shape and device.
+
+    On every hot-path call (several per dispatch or combine), so the passing case is kept to plain comparisons: no
+    generator, no tuple built per call for a single dtype."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
-        if t.dtype not in allowed:
-            want = " or ".join(str(d) for d in allowed)
+        single = isinstance(dtypes, torch.dtype)
+        if (t.dtype != dtypes) if single else (t.dtype not in tuple(dtypes)):
+            want = str(dtypes) if single else " or ".join(str(d) for d in dtypes)
             raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if shape is not None:
-        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-        if not ok:
-            raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(t.shape)}")
+    if shape is not None and not _shape_matches(t.shape, shape):
+        raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     if contiguous and not t.is_contiguous():
