@@ -38,10 +38,14 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        single = isinstance(dtypes, torch.dtype)
-        if (t.dtype != dtypes) if single else (t.dtype not in tuple(dtypes)):
-            want = str(dtypes) if single else " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+        if isinstance(dtypes, torch.dtype):
+            if t.dtype != dtypes:
+                raise TypeError(f"{name}: expected dtype {dtypes}, got {t.dtype}")
+        else:
+            allowed = tuple(dtypes)  # once: an iterator is consumed by the test, and the message names them too
+            if t.dtype not in allowed:
+                want = " or ".join(str(d) for d in allowed)
+                raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
     if shape is not None and not _shape_matches(t.shape, shape):
         raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(t.shape)}")
     if device is not None and t.device != device:
