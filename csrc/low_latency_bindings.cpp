@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -21,8 +23,19 @@ namespace py = pybind11;
 namespace ep {
 namespace {
 
+// The receive phase of one low-latency call, bound at its send phase (the hook's one C++ call: nothing to convert).
+class LowLatencyReceive {
+   public:
+    LowLatencyReceive() = default;
+    explicit LowLatencyReceive(std::function<void()> launch) : launch_(std::move(launch)) {}
+    void operator()() const { launch_(); }
+
+   private:
+    std::function<void()> launch_;
+};
+
 // One rank's share of the symmetric low-latency buffer, its peers' direct mappings and the epochs.
-class LowLatencyBuffer {
+class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
    public:
     LowLatencyBuffer(int rank, int num_ranks, int64_t num_bytes, bool allow_direct_peers, int64_t timeout_ns, int device, int max_blocks)
         : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_ns_(timeout_ns), device_(device), max_blocks_(max_blocks) {
@@ -64,64 +77,105 @@ class LowLatencyBuffer {
                                  max_blocks_, state_, timeout_ns_, error_device_};
     }
 
-    // Launches the send phase. Returns (send_slot, src_info, layout_range): send_slot is int32 [num_tokens * num_topk],
-    // each (token, k) entry's slot at its expert (-1: skipped), which the combine reads; src_info [E_local, R * T] int32
-    // and layout_range [E_local, R] int64 are the handle's tensors, filled by the receive phase. Allocated here (one
-    // entry per call, no Python-side allocations).
-    std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx,
-                                                                 int64_t max_tokens, int64_t num_experts, bool use_fp8, bool round_scale) {
-        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
-        check(x, "x");
-        check(topk_idx, "topk_idx");
-        const auto L = layout(max_tokens, num_experts, x.size(1));
-        const auto h = half(half_index, L);
-        const int num_tokens = static_cast<int>(x.size(0)), num_topk = static_cast<int>(topk_idx.size(1));
-        TORCH_CHECK_VALUE(num_topk >= 1 && num_topk <= kMaxTopk, "topk_idx: expected 1 <= num_topk <= ", kMaxTopk, ", got ", num_topk);
-        const auto int_options = topk_idx.options().dtype(at::kInt);
-        at::Tensor send_slot = at::empty({int64_t(num_tokens) * num_topk}, int_options);
-        at::Tensor src_info = at::empty({L.num_local_experts, int64_t(num_ranks_) * max_tokens}, int_options);
-        at::Tensor layout_range = at::empty({L.num_local_experts, int64_t(num_ranks_)}, topk_idx.options());
-        low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
-                                   send_slot.data_ptr<int>(), stream());
-        return {send_slot, src_info, layout_range};
+    // Launches the send phase of a dispatch and allocates everything the call returns, so that an eager call makes one
+    // C++ entry to send and one (the receive) to receive, with no Python-side allocation: returns (recv_x, recv_scales or
+    // None, recv_count, send_slot, src_info, layout_range, receive). recv_x is [E_local, R * T, H] (FP8 or BF16);
+    // recv_scales is the token-minor view [E_local, R * T, groups] of a [E_local, groups, R * T] tensor (as grouped GEMMs
+    // want); send_slot int32 [num_tokens * num_topk] is each (token, k) entry's slot at its expert (-1: skipped), which the
+    // combine reads; src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors. The
+    // receive phase (receive()) fills recv_x, recv_scales, recv_count, src_info and layout_range.
+    py::tuple dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
+                            bool use_fp8, bool round_scale, bool use_ue8m0, const OptTensor& cumulative_stats,
+                            const OptTensor& wait_stats) {
+        at::Tensor recv_x, recv_scales_storage, recv_count, send_slot, src_info, layout_range;
+        LowLatencyReceive receive;
+        {
+            py::gil_scoped_release no_gil;  // the launch and allocations need no Python
+            const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
+            check(x, "x");
+            check(topk_idx, "topk_idx");
+            if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
+            check_wait_stats(wait_stats, "dispatch_wait_recv_cost_stats");
+            const int64_t hidden = x.size(1);
+            const auto L = layout(max_tokens, num_experts, hidden);
+            const auto h = half(half_index, L);
+            const int num_tokens = static_cast<int>(x.size(0)), num_topk = static_cast<int>(topk_idx.size(1));
+            TORCH_CHECK_VALUE(num_topk >= 1 && num_topk <= kMaxTopk, "topk_idx: expected 1 <= num_topk <= ", kMaxTopk, ", got ", num_topk);
+            const int64_t num_slots = int64_t(num_ranks_) * max_tokens;
+            const auto int_options = topk_idx.options().dtype(at::kInt);
+            recv_x = at::empty({L.num_local_experts, num_slots, hidden}, x.options().dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+            if (use_fp8) {
+                // UE8M0 packs four power-of-two scales per int32 (one int32 per 512 channels), else one fp32 per 128.
+                const int64_t groups = use_ue8m0 ? hidden / 512 : hidden / 128;
+                recv_scales_storage =
+                    at::empty({L.num_local_experts, groups, num_slots}, x.options().dtype(use_ue8m0 ? at::kInt : at::kFloat));
+            }
+            recv_count = at::empty({L.num_local_experts}, int_options);
+            send_slot = at::empty({int64_t(num_tokens) * num_topk}, int_options);
+            src_info = at::empty({L.num_local_experts, num_slots}, int_options);
+            layout_range = at::empty({L.num_local_experts, int64_t(num_ranks_)}, topk_idx.options());
+            low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
+                                       send_slot.data_ptr<int>(), stream());
+            // The receive phase, bound now: the hook's call converts no arguments. It holds the buffer (shared_ptr), so a
+            // hook run after destroy() raises (half() checks base_) instead of touching freed memory.
+            auto self = shared_from_this();
+            receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, recv_scales_storage,
+                                         src_info, layout_range, recv_count, cumulative_stats, wait_stats] {
+                const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
+                const auto L = self->layout(max_tokens, num_experts, hidden);
+                low_latency::dispatch_recv(L, self->half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(),
+                                           recv_scales_storage.defined() ? recv_scales_storage.data_ptr() : nullptr,
+                                           src_info.data_ptr<int>(), layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
+                                           cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
+                                           wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, self->stream());
+            });
+        }
+        py::object recv_scales = py::none();
+        if (recv_scales_storage.defined()) {
+            const int64_t num_local_experts = recv_scales_storage.size(0), groups = recv_scales_storage.size(1),
+                          num_slots = recv_scales_storage.size(2);
+            // One group: same memory, but a unit last stride: torch calls such a view contiguous, so .contiguous() keeps
+            // it, and callers that view it as bytes (DeepEP's test does for UE8M0) need stride(-1) == 1.
+            recv_scales = py::cast(groups == 1 ? recv_scales_storage.as_strided({num_local_experts, num_slots, 1}, {num_slots, 1, 1})
+                                               : recv_scales_storage.transpose(1, 2));
+        }
+        return py::make_tuple(recv_x, recv_scales, recv_count, send_slot, src_info, layout_range, std::move(receive));
     }
 
-    void dispatch_recv(int64_t half_index, int64_t max_tokens, int64_t num_experts, int64_t hidden, bool use_fp8, bool use_ue8m0,
-                       const at::Tensor& recv_x, const OptTensor& recv_scales, const at::Tensor& src_info, const at::Tensor& layout_range,
-                       const at::Tensor& recv_count, const OptTensor& cumulative_stats, const OptTensor& wait_stats) {
-        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
-        for (const auto* t : {&recv_x, &src_info, &layout_range, &recv_count}) check(*t, "output");
-        if (use_fp8) TORCH_CHECK_VALUE(recv_scales.has_value(), "recv_scales: required with use_fp8");
-        if (cumulative_stats) check(*cumulative_stats, "cumulative_local_expert_recv_stats");
-        check_wait_stats(wait_stats, "dispatch_wait_recv_cost_stats");
-        const auto L = layout(max_tokens, num_experts, hidden);
-        low_latency::dispatch_recv(L, half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(),
-                                   recv_scales ? recv_scales->data_ptr() : nullptr, src_info.data_ptr<int>(),
-                                   layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
-                                   cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
-                                   wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, stream());
-    }
-
-    void combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts) {
-        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
-        check(x, "x");
-        check(layout_range, "layout_range");
-        const auto L = layout(max_tokens, num_experts, x.size(2));
-        const auto h = half(half_index, L);
-        const bool staged = x.data_ptr() == static_cast<void*>(h.local + L.send_offset());
-        low_latency::combine_send(L, h, x.data_ptr(), staged, num_direct_peers_ == num_ranks_, layout_range.data_ptr<int64_t>(), stream());
-    }
-
-    void combine_recv(int64_t half_index, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
-                      int64_t max_tokens, int64_t num_experts, const at::Tensor& out, int64_t num_sms, const OptTensor& wait_stats) {
-        const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
-        for (const auto* t : {&topk_idx, &topk_weights, &send_slot, &out}) check(*t, "combine input");
-        check_wait_stats(wait_stats, "combine_wait_recv_cost_stats");
-        const auto L = layout(max_tokens, num_experts, out.size(1));
-        low_latency::combine_recv(L, half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
-                                  send_slot.data_ptr<int>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
-                                  out.data_ptr(), static_cast<int>(num_sms), wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr,
-                                  stream());
+    // Launches the send phase of a combine and allocates `out` [num_tokens, hidden] bf16 unless given: returns (out,
+    // receive); receive() writes out (the receive phase).
+    py::tuple combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts,
+                           const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
+                           const OptTensor& out_arg, const OptTensor& wait_stats) {
+        at::Tensor out;
+        LowLatencyReceive receive;
+        {
+            py::gil_scoped_release no_gil;  // the launch and the allocation need no Python
+            const c10::cuda::CUDAGuard guard(device_);  // launch on the buffer's device whatever is current
+            check(x, "x");
+            check(layout_range, "layout_range");
+            for (const auto* t : {&topk_idx, &topk_weights, &send_slot}) check(*t, "combine input");
+            check_wait_stats(wait_stats, "combine_wait_recv_cost_stats");
+            const int64_t hidden = x.size(2);
+            out = out_arg ? *out_arg : at::empty({topk_idx.size(0), hidden}, x.options().dtype(at::kBFloat16));
+            check(out, "combine input");
+            const auto L = layout(max_tokens, num_experts, hidden);
+            const auto h = half(half_index, L);
+            const bool staged = x.data_ptr() == static_cast<void*>(h.local + L.send_offset());
+            low_latency::combine_send(L, h, x.data_ptr(), staged, num_direct_peers_ == num_ranks_, layout_range.data_ptr<int64_t>(),
+                                      stream());
+            auto self = shared_from_this();
+            receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, topk_idx, topk_weights, send_slot, out,
+                                         wait_stats] {
+                const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
+                const auto L = self->layout(max_tokens, num_experts, hidden);
+                low_latency::combine_recv(L, self->half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
+                                          send_slot.data_ptr<int>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
+                                          out.data_ptr(), self->max_blocks_, wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr,
+                                          self->stream());
+            });
+        }
+        return py::make_tuple(out, std::move(receive));
     }
 
     // The half's send area as the [E_local, R * T, H] bf16 combine input (zero-copy combine).
@@ -205,7 +259,11 @@ struct LowLatencyLayout : low_latency::Layout {};
 }  // namespace
 
 void register_low_latency(py::module_& m) {
-    py::class_<LowLatencyBuffer>(m, "LowLatencyBuffer", "One rank's NVSHMEM low-latency buffer (two halves) and its epochs.")
+    py::class_<LowLatencyReceive>(m, "LowLatencyReceive", "The receive phase of one low-latency call (call it once).")
+        .def("__call__", &LowLatencyReceive::operator(), py::call_guard<py::gil_scoped_release>());
+    // Held by shared_ptr: a pending receive (LowLatencyReceive) keeps the buffer alive.
+    py::class_<LowLatencyBuffer, std::shared_ptr<LowLatencyBuffer>>(m, "LowLatencyBuffer",
+                                                                    "One rank's NVSHMEM low-latency buffer (two halves) and its epochs.")
         .def(py::init<int, int, int64_t, bool, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
              py::arg("allow_direct_peers"), py::arg("timeout_ns"), py::arg("device"), py::arg("max_blocks"))
         .def_property_readonly("max_blocks", [](const LowLatencyBuffer& b) { return b.max_blocks(); })
@@ -213,18 +271,9 @@ void register_low_latency(py::module_& m) {
         .def(
             "half_bytes", [](const LowLatencyBuffer& b, int64_t t, int64_t e, int64_t h) { return b.layout(t, e, h).half_bytes; },
             py::arg("max_tokens"), py::arg("num_experts"), py::arg("hidden"))
-        .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::arg("half_index"), py::arg("x"), py::arg("topk_idx"),
-             py::arg("max_tokens"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"),
-             py::call_guard<py::gil_scoped_release>())
-        .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
-             py::arg("hidden"), py::arg("use_fp8"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
-             py::arg("layout_range"), py::arg("recv_count"), py::arg("cumulative_stats"), py::arg("wait_stats"),
-             py::call_guard<py::gil_scoped_release>())
-        .def("combine_send", &LowLatencyBuffer::combine_send, py::arg("half_index"), py::arg("x"), py::arg("layout_range"),
-             py::arg("max_tokens"), py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
-        .def("combine_recv", &LowLatencyBuffer::combine_recv, py::arg("half_index"), py::arg("topk_idx"), py::arg("topk_weights"),
-             py::arg("send_slot"), py::arg("max_tokens"), py::arg("num_experts"), py::arg("out"), py::arg("num_sms"), py::arg("wait_stats"),
-             py::call_guard<py::gil_scoped_release>())
+        // Internal entries (ep_dispatcher.backends.cuda.low_latency): positional, no keyword names to match per call.
+        .def("dispatch_send", &LowLatencyBuffer::dispatch_send)
+        .def("combine_send", &LowLatencyBuffer::combine_send)
         .def("combine_buffer", &LowLatencyBuffer::combine_buffer, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"))
         .def("take_error", &LowLatencyBuffer::take_error)

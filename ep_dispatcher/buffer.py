@@ -21,7 +21,7 @@ from . import settings
 from .config import NUM_MAX_TOPK, Config
 from .handles import DispatchHandle, LowLatencyHandle
 from .overlap import EventOverlap
-from .low_latency_state import LowLatencyCalls, allocate_dispatch_outputs
+from .low_latency_state import LowLatencyCalls
 from .streams import CommStream, check_event
 from .validation import (
     check_int,
@@ -310,8 +310,9 @@ class Buffer:
         self, topk_idx, num_tokens: Optional[int], num_experts: int, device, distinct: bool = False, call: str = ""
     ) -> torch.Tensor:
         check_tensor("topk_idx", topk_idx, dtypes=torch.int64, shape=(num_tokens, None), device=device)
-        if topk_idx.size(1) > NUM_MAX_TOPK or topk_idx.size(1) < 1:
-            raise ValueError(f"topk_idx: expected 1 <= num_topk <= {NUM_MAX_TOPK}, got num_topk={topk_idx.size(1)}")
+        num_topk = topk_idx.shape[1]
+        if num_topk > NUM_MAX_TOPK or num_topk < 1:
+            raise ValueError(f"topk_idx: expected 1 <= num_topk <= {NUM_MAX_TOPK}, got num_topk={num_topk}")
         # The entries' range is a content check: where the engine makes it on the device (raised where the host waits
         # anyway, or from the next low-latency call or hook), a host-side check would only add a sync.
         if self.validate_inputs and not self._backend.checks_topk_idx_on_device(call, topk_idx):
@@ -800,34 +801,26 @@ class Buffer:
         self._ll.enter_shape((num_max_dispatch_tokens_per_rank, hidden, num_experts))
         half = self._ll.take_half()
 
-        num_slots = self.group_size * num_max_dispatch_tokens_per_rank
-        device = x.device
-        recv_data, recv_scales = allocate_dispatch_outputs(
-            num_local_experts, num_slots, hidden, use_fp8, use_ue8m0, device
-        )
-        handle, receive = self._backend.low_latency_dispatch(
+        # The backend allocates the outputs: the CUDA engine in the C++ call that launches the send phase (cheaper than
+        # torch.empty from Python), the reference with allocate_dispatch_outputs; receive() fills them.
+        handle, (recv_data, recv_scales, recv_count), receive = self._backend.low_latency_dispatch(
             LowLatencyDispatchArgs(
-                x=x,
-                topk_idx=topk_idx,
-                num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                num_experts=num_experts,
-                use_fp8=use_fp8,
-                round_scale=round_scale,
-                use_ue8m0=use_ue8m0,
-                buffer_id=self.buffer_id,
-                half=half,
-                cumulative_stats=cumulative_local_expert_recv_stats,
-                wait_stats=dispatch_wait_recv_cost_stats,
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                use_fp8,
+                round_scale,
+                use_ue8m0,
+                self.buffer_id,
+                half,
+                cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats,
             )
         )
-        recv_count = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
-
-        def finish() -> None:
-            receive(recv_data, recv_scales, recv_count)
-
-        hook = self._ll.make_hook(finish, return_recv_hook, half, handle=handle)
-        self._ll.raise_reported_error(pending_hook=hook)
-        event = Buffer.capture() if async_finish and device.type == "cuda" else EventOverlap()
+        hook = self._ll.make_hook(receive, return_recv_hook, half, handle)
+        self._ll.raise_reported_error(hook)
+        event = Buffer.capture() if async_finish and x.is_cuda else EventOverlap()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
         return recv_x, recv_count, handle, event, hook
 
@@ -890,39 +883,29 @@ class Buffer:
                 "before low_latency_combine (the handle's layout is filled by the receive phase)"
             )
         if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
+            x = self._backend.low_latency_combine_buffer(self._ll.next_half, expected_shape, handle.src_info.device)
+        device = x.device
+        self._check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, device, call="low_latency")
         shape = (handle.num_tokens, handle.num_topk)
-        self._check_topk_idx(
-            topk_idx,
-            handle.num_tokens,
-            handle.num_experts,
-            x.device,
-            call="low_latency",
-        )
-        if tuple(topk_idx.shape) != shape:
+        if topk_idx.shape != shape:
             raise ValueError(f"topk_idx: expected shape {list(shape)} (as dispatched), got {list(topk_idx.shape)}")
-        check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=shape, device=x.device)
-        self._check_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, x.device)
+        check_tensor("topk_weights", topk_weights, dtypes=torch.float32, shape=shape, device=device)
+        self._check_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, device)
         if out is not None:
-            check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
-        else:
-            out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16, device=x.device)
+            check_tensor("out", out, dtypes=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=device)
         if use_logfmt:
             # An extra pass over the expert outputs before the combine kernel (in place on the zero-copy buffer,
             # which is ours); a fused encode in the send kernel would save it.
             x = self._backend.logfmt_roundtrip(x, inplace=zero_copy)
         self._ll.enter_shape((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
         half = self._ll.take_half()
-        receive = self._backend.low_latency_combine(
-            LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, half, combine_wait_recv_cost_stats)
+        # Without `out`, the backend allocates it (the CUDA engine in the C++ call that launches the send phase).
+        out, receive = self._backend.low_latency_combine(
+            LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, half, combine_wait_recv_cost_stats, out)
         )
-
-        def finish() -> None:
-            receive(out)
-
-        hook = self._ll.make_hook(finish, return_recv_hook, half)
-        self._ll.raise_reported_error(pending_hook=hook)
-        event = Buffer.capture() if async_finish and x.device.type == "cuda" else EventOverlap()
+        hook = self._ll.make_hook(receive, return_recv_hook, half)
+        self._ll.raise_reported_error(hook)
+        event = Buffer.capture() if async_finish and x.is_cuda else EventOverlap()
         return out, event, hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

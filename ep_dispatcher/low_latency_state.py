@@ -39,7 +39,10 @@ class LowLatencyCalls:
 
     def is_received(self, handle: LowLatencyHandle) -> bool:
         """Whether the receive phase of the dispatch that made ``handle`` has run (combine needs it)."""
-        return not any(pending is handle for pending in self._unreceived)
+        for pending in self._unreceived:  # at most NUM_LOW_LATENCY_BUFFERS; a loop builds no generator per call
+            if pending is handle:
+                return False
+        return True
 
     def raise_reported_error(self, pending_hook: Optional[Callable[[], None]] = None) -> None:
         """Raise the ``ValueError`` for a bad ``topk_idx`` entry that a low-latency kernel has reported, if any.
@@ -106,22 +109,20 @@ class LowLatencyCalls:
             receive()
             return None
         self.half_pending[half] = True
-        state = {"called": False}
         if handle is not None:
             self._unreceived.append(handle)  # combine refuses a handle whose receive phase has not run
-
-        def finish() -> None:
-            receive()
-            if handle is not None:
-                self._unreceived.remove(handle)
+        called = False
 
         def hook() -> None:
             """Run the receive phase of the low-latency call that returned this hook (exactly once)."""
-            if state["called"]:
+            nonlocal called
+            if called:
                 raise RuntimeError("hook: already called; each low-latency hook runs its receive phase exactly once")
-            state["called"] = True
+            called = True
             self.half_pending[half] = False
-            finish()
+            receive()
+            if handle is not None:
+                self._unreceived.remove(handle)
             self.raise_reported_error()
 
         return hook

@@ -46,7 +46,8 @@ def check_tensor(
             if t.dtype not in allowed:
                 want = " or ".join(str(d) for d in allowed)
                 raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if shape is not None and not _shape_matches(t.shape, shape):
+    # Exact equality first (one C-level comparison, the usual case), the wildcard match only when it fails.
+    if shape is not None and t.shape != shape and not _shape_matches(t.shape, shape):
         raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ep_dispatcher.backends.base import CombineArgs
-from ep_dispatcher.handles import DispatchHandle
+from ep_dispatcher.handles import DispatchHandle, LowLatencyHandle
 
 cuda_backend = pytest.importorskip("ep_dispatcher.backends.cuda", exc_type=ImportError)
 
@@ -69,6 +69,25 @@ def test_backends_follow_the_interface(group) -> None:
 
     assert isinstance(ReferenceBackend(group, 0, 1, 1), Backend)
     assert isinstance(cuda_backend.CudaBackend(group, 0, 1, 1), Backend)
+
+
+def test_low_latency_routing(group) -> None:
+    """The decode calls route through ``_route_on`` (``tensor.is_cuda``, no ``device.type``): the same answers as
+    ``_route`` for every call, and the low-latency engine only for GPU tensors and handles it made."""
+    from ep_dispatcher.backends.reference import ReferenceLowLatencyState
+
+    backend = cuda_backend.CudaBackend(group, 0, 1, 1)
+    engine = backend.low_latency = _FakeEngine(cuda_backend.LowLatencyState)
+    assert backend.engine_calls() == ("get_dispatch_layout", "low_latency_dispatch", "low_latency_combine")
+    for call in backend._engines():
+        for device in (torch.device("cuda", 0), torch.device("cpu")):
+            assert backend._route_on(call, device.type == "cuda") is backend._route(call, device), (call, device)
+    assert backend._route_on("low_latency_dispatch", True) is engine
+    assert backend._route_on("low_latency_dispatch", False) is None, "CPU tensors: the reference"
+    mine = LowLatencyHandle(1, None, None, 4, 128, 8, 2, 2, cuda_backend.LowLatencyState(torch.zeros(4)))
+    theirs = LowLatencyHandle(1, None, None, 4, 128, 8, 2, 2, ReferenceLowLatencyState(None, None, [], [], None))
+    assert backend._route_on("low_latency_combine", True, mine) is engine
+    assert backend._route_on("low_latency_combine", True, theirs) is None, "a handle the reference made"
 
 
 def test_routing_falls_back_to_the_reference_in_one_place(group, monkeypatch) -> None:

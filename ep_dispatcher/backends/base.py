@@ -9,23 +9,28 @@ assume well-formed shapes, dtypes and devices; tensor *contents* are checked by 
 Handles carry a ``backend_state``: a frozen dataclass of the backend (and engine) that made the handle, opaque to
 everyone else. A fresh dispatch's arguments travel as one frozen ``DispatchArgs`` (a low-latency dispatch's as one
 ``LowLatencyDispatchArgs``), a combine's as one ``CombineArgs`` (``LowLatencyCombineArgs``), built once by ``Buffer``
-and passed unchanged to whichever engine or reference serves it.
+and passed unchanged to whichever engine or reference serves it. The low-latency ones are ``NamedTuple``s: as
+immutable, and built on every decode call, where a frozen dataclass's ``__init__`` costs several times more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
 from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 
-# low_latency_dispatch returns this: receive(recv_x, recv_scales, recv_count) fills the outputs (the receive phase).
-LowLatencyDispatchReceive = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
-# low_latency_combine returns this: receive(out) writes the [num_tokens, hidden] result (the receive phase).
-LowLatencyCombineReceive = Callable[[torch.Tensor], None]
+# low_latency_dispatch returns this: receive() fills the outputs it returned with it (the receive phase).
+LowLatencyDispatchReceive = Callable[[], None]
+# low_latency_combine returns this: receive() writes the [num_tokens, hidden] result it returned with it (the receive
+# phase).
+LowLatencyCombineReceive = Callable[[], None]
+# A low-latency dispatch's outputs: (recv_x [E_local, num_ranks * max_tokens, hidden] float8_e4m3fn or bfloat16,
+# recv_scales or None, recv_count [E_local] int32), laid out as low_latency_state.allocate_dispatch_outputs lays them.
+LowLatencyDispatchOutputs = Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,7 @@ class DispatchArgs:
     num_tokens_per_expert: Optional[torch.Tensor] = None
 
 
-@dataclass(frozen=True)
-class LowLatencyDispatchArgs:
+class LowLatencyDispatchArgs(NamedTuple):
     """One low-latency dispatch, as ``Buffer.low_latency_dispatch`` checked it.
 
     x: ``[num_tokens, hidden] bfloat16``; topk_idx: ``[num_tokens, num_topk] int64``; half: the buffer half (0 or 1);
@@ -80,16 +84,17 @@ class LowLatencyDispatchArgs:
     ) -> LowLatencyHandle:
         """The handle of this dispatch: its sizes, the receive layout (``src_info``, ``layout_range``) and the state of
         the backend that ran it."""
+        x_shape = self.x.shape
         return LowLatencyHandle(
-            buffer_id=self.buffer_id,
-            src_info=src_info,
-            layout_range=layout_range,
-            num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
-            hidden=self.x.size(1),
-            num_experts=self.num_experts,
-            num_tokens=self.x.size(0),
-            num_topk=self.topk_idx.size(1),
-            backend_state=backend_state,
+            self.buffer_id,
+            src_info,
+            layout_range,
+            self.num_max_dispatch_tokens_per_rank,
+            x_shape[1],
+            self.num_experts,
+            x_shape[0],
+            self.topk_idx.shape[1],
+            backend_state,
         )
 
 
@@ -109,13 +114,13 @@ class CombineArgs:
     config: Optional[Config] = None
 
 
-@dataclass(frozen=True)
-class LowLatencyCombineArgs:
+class LowLatencyCombineArgs(NamedTuple):
     """One low-latency combine, as ``Buffer.low_latency_combine`` checked it.
 
     x: ``[num_local_experts, num_ranks * max_tokens, hidden] bfloat16``; topk_idx ``[num_tokens, num_topk] int64`` /
     topk_weights ``float32``: as dispatched; handle: the dispatch's; half: the buffer half (0 or 1); wait_stats:
-    optional ``[num_ranks] int64`` (cycles spun per source rank).
+    optional ``[num_ranks] int64`` (cycles spun per source rank); out: the caller's ``[num_tokens, hidden] bfloat16``
+    destination, or None (the backend allocates it).
     """
 
     x: torch.Tensor
@@ -124,6 +129,7 @@ class LowLatencyCombineArgs:
     handle: LowLatencyHandle
     half: int = 0
     wait_stats: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None
 
 
 @runtime_checkable
@@ -180,12 +186,16 @@ class Backend(Protocol):
         """Combine of an expert-major ``args.x [M, hidden]`` (each token's rows summed in row order first)."""
         ...
 
-    def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> Tuple[LowLatencyHandle, LowLatencyDispatchReceive]:
-        """Launch the send phase; returns ``(handle, receive)``."""
+    def low_latency_dispatch(
+        self, args: LowLatencyDispatchArgs
+    ) -> Tuple[LowLatencyHandle, LowLatencyDispatchOutputs, LowLatencyDispatchReceive]:
+        """Launch the send phase and allocate the outputs; returns ``(handle, (recv_x, recv_scales, recv_count),
+        receive)``; ``receive()`` fills them."""
         ...
 
-    def low_latency_combine(self, args: LowLatencyCombineArgs) -> LowLatencyCombineReceive:
-        """Launch the send phase; returns ``receive``."""
+    def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, LowLatencyCombineReceive]:
+        """Launch the send phase; returns ``(out, receive)``: ``out`` is ``args.out`` or, when that is None, a new
+        ``[num_tokens, hidden] bfloat16`` tensor on ``x``'s device; ``receive()`` writes it."""
         ...
 
     def low_latency_combine_buffer(self, half: int, shape: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
@@ -213,5 +223,6 @@ __all__: List[str] = [
     "LowLatencyCombineArgs",
     "LowLatencyCombineReceive",
     "LowLatencyDispatchArgs",
+    "LowLatencyDispatchOutputs",
     "LowLatencyDispatchReceive",
 ]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ..expert_major import permute_rows, to_expert_major, unpermute_sum
 from ..fp8 import per_token_cast_to_fp8
 from ..logfmt import logfmt_roundtrip
+from ..low_latency_state import allocate_dispatch_outputs
 from ..validation import tokens_per_rank_mismatch
 from ..handles import DispatchHandle
 from .base import CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
@@ -381,8 +382,8 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ low-latency dispatch / combine
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
-        """Exchange now; returns ``(handle, receive)`` where ``receive(recv_x, recv_scales, recv_count)`` fills the
-        outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
+        """Exchange now; returns ``(handle, (recv_x, recv_scales, recv_count), receive)`` where ``receive()`` fills
+        those outputs (and adds ``recv_count`` to ``cumulative_stats``). ``half`` (the buffer half) only matters to
         engines. ``wait_stats`` (``dispatch_wait_recv_cost_stats``, ``[num_ranks] int64``) is left as it is, i.e.
         0 is added for every rank: the exchange is a blocking collective, which exposes no per-peer wait to
         measure (the CUDA engine adds the cycles its receive kernel spins per source rank)."""
@@ -450,8 +451,12 @@ class ReferenceBackend:
         received = fields[:-2]
 
         recv_count = recv_count.to(torch.int32)
+        recv_x, recv_scales = allocate_dispatch_outputs(
+            num_local_experts, num_slots, hidden, use_fp8, use_ue8m0, device
+        )
+        recv_count_out = torch.empty((num_local_experts,), dtype=torch.int32, device=device)
 
-        def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count_out: torch.Tensor) -> None:
+        def receive() -> None:
             recv_count_out.copy_(recv_count)
             if cumulative_stats is not None:
                 cumulative_stats.add_(recv_count)
@@ -464,12 +469,13 @@ class ReferenceBackend:
 
         state = ReferenceLowLatencyState(token_of, k_of, send_counts, recv_counts, flat_slot)
         handle = args.make_handle(src_info, layout_range, state)
-        return handle, receive
+        return handle, (recv_x, recv_scales, recv_count_out), receive
 
     def low_latency_combine(self, args: LowLatencyCombineArgs):
-        """Weighted sum back on the source ranks; returns a ``receive(out)`` closure that writes ``[N, H]``.
-        ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it is (0 added), as in ``low_latency_dispatch``."""
-        x, topk_idx, topk_weights, handle = args.x, args.topk_idx, args.topk_weights, args.handle
+        """Weighted sum back on the source ranks; returns ``(out, receive)``, where ``receive()`` writes ``out [N, H]``
+        (``args.out``, else a new bfloat16 tensor). ``wait_stats`` (``combine_wait_recv_cost_stats``) is left as it
+        is (0 added), as in ``low_latency_dispatch``."""
+        x, topk_idx, topk_weights, handle, out = args.x, args.topk_idx, args.topk_weights, args.handle, args.out
         state: ReferenceLowLatencyState = handle.backend_state
         hidden = x.size(-1)
         rows = x.reshape(-1, hidden)[state.recv_flat_slot]
@@ -481,15 +487,17 @@ class ReferenceBackend:
         per_entry = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
         per_entry[state.send_token, state.send_k] = back.float()
         valid = topk_idx >= 0
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
 
-        def receive(out: torch.Tensor) -> None:
+        def receive() -> None:
             acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
             for k in range(num_topk):
                 weighted = topk_weights[:, k : k + 1].float() * per_entry[:, k]
                 acc = torch.where(valid[:, k : k + 1], acc + weighted, acc)
             out.copy_(acc.to(out.dtype))
 
-        return receive
+        return out, receive
 
     def take_low_latency_error(self) -> Optional[tuple]:
         """None: the reference checks ``topk_idx`` on the host before it runs (``checks_topk_idx_on_device``)."""

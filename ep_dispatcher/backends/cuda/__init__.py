@@ -16,7 +16,7 @@ tensors, a buffer without the engine's memory, handles the reference made): ``_r
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -127,23 +127,32 @@ class CudaBackend:
         return None if self.low_latency is None else self.low_latency.buffer
 
     # ------------------------------------------------------------------ routing: the one place that falls back
-    def _engines(self) -> Dict[str, Optional[_Engine]]:
-        """Which engine serves each call when its tensors are on the GPU (None: no engine, the reference serves it)."""
-        high_throughput = self.internode if self.internode is not None else self.intranode
+    def _high_throughput(self) -> Optional[_Engine]:
+        return self.internode if self.internode is not None else self.intranode
+
+    def _fused(self) -> Optional[_Engine]:
         # The fused expert-major kernels exist on the intranode engine only, behind EP_DISPATCHER_FUSED_EXPERT_MAJOR
         # (settings.py).
-        fused = self.intranode if self.internode is None and settings.fused_expert_major() else None
-        return {
-            "get_dispatch_layout": self.layout,
-            "dispatch": high_throughput,
-            "cached_dispatch": high_throughput,
-            "combine": high_throughput,
-            "dispatch_expert_major": fused,
-            "cached_dispatch_expert_major": fused,
-            "combine_expert_major": fused,
-            "low_latency_dispatch": self.low_latency,
-            "low_latency_combine": self.low_latency,
-        }
+        return self.intranode if self.internode is None and settings.fused_expert_major() else None
+
+    # Which engine serves each call when its tensors are on the GPU (None: no engine, the reference serves it). One
+    # getter per call: routing a call asks only its own (decode calls are routed every step, and _fused reads the
+    # environment).
+    _ENGINE_OF: Dict[str, Callable[["CudaBackend"], Optional[_Engine]]] = {
+        "get_dispatch_layout": lambda b: b.layout,
+        "dispatch": _high_throughput,
+        "cached_dispatch": _high_throughput,
+        "combine": _high_throughput,
+        "dispatch_expert_major": _fused,
+        "cached_dispatch_expert_major": _fused,
+        "combine_expert_major": _fused,
+        "low_latency_dispatch": lambda b: b.low_latency,
+        "low_latency_combine": lambda b: b.low_latency,
+    }
+
+    def _engines(self) -> Dict[str, Optional[_Engine]]:
+        """Which engine serves each call when its tensors are on the GPU (None: no engine, the reference serves it)."""
+        return {call: engine_of(self) for call, engine_of in self._ENGINE_OF.items()}
 
     def engine_calls(self) -> tuple:
         """The calls that run as CUDA kernels on this buffer (for GPU tensors; the rest run on the reference)."""
@@ -159,8 +168,20 @@ class CudaBackend:
         """The engine that serves ``call``, or None when ``self.reference`` does: when this buffer has no engine
         for it, its tensors are not on the GPU, the ``handle`` it reuses was not made by that engine (e.g. a
         dispatch of CPU tensors), or (``dtype``, combine) the kernels do not sum that dtype (fp16, fp64)."""
-        engine = self._engines().get(call)
-        if engine is None or device.type != "cuda":
+        return self._route_on(call, device.type == "cuda", handle, dtype)
+
+    def _route_on(
+        self,
+        call: str,
+        on_gpu: bool,
+        handle: Union[DispatchHandle, LowLatencyHandle, None] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> Optional[_Engine]:
+        """``_route`` given whether the call's tensors are on the GPU (``tensor.is_cuda`` costs far less than
+        ``device.type``: the decode calls pass it)."""
+        engine_of = self._ENGINE_OF.get(call)
+        engine = None if engine_of is None or not on_gpu else engine_of(self)
+        if engine is None:
             return None
         if handle is not None and not engine.made(handle.backend_state):
             return None
@@ -259,11 +280,11 @@ class CudaBackend:
         return None if self.low_latency is None else self.low_latency.take_error()
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
-        engine = self._route("low_latency_dispatch", args.x.device)
+        engine = self._route_on("low_latency_dispatch", args.x.is_cuda)
         return (self.reference if engine is None else engine).low_latency_dispatch(args)
 
     def low_latency_combine(self, args: LowLatencyCombineArgs):
-        engine = self._route("low_latency_combine", args.x.device, handle=args.handle)
+        engine = self._route_on("low_latency_combine", args.x.is_cuda, args.handle)
         return (self.reference if engine is None else engine).low_latency_combine(args)
 
     def low_latency_combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:

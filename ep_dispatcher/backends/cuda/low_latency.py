@@ -66,7 +66,7 @@ class LowLatencyEngine:
     def destroy(self) -> None:
         self._combine_views.clear()
         self.buffer.destroy()
-        self.buffer = None  # a hook run after destroy() fails in Python, not on freed memory
+        self.buffer = None  # a pending hook holds the C++ buffer, whose calls after destroy() raise (no freed memory)
         release_nvshmem(self.nvshmem_bytes)
         self.nvshmem_bytes = 0
 
@@ -76,60 +76,43 @@ class LowLatencyEngine:
         return self.buffer.take_error()
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
-        """The send phase now; returns ``(handle, receive)``, ``receive`` runs the receive phase (the hook)."""
-        x, topk_idx, half, num_experts = args.x, args.topk_idx, args.half, args.num_experts
-        hidden = x.size(1)
-        max_tokens = args.num_max_dispatch_tokens_per_rank
-        # One C++ entry launches the send phase and allocates the handle's tensors. send_slot is the plan: each
-        # (token, k) entry's slot at its expert (what the combine reads).
-        send_slot, src_info, layout_range = self.buffer.dispatch_send(
-            half, x, topk_idx, max_tokens, num_experts, args.use_fp8, args.round_scale
+        """The send phase now; returns ``(handle, (recv_x, recv_scales, recv_count), receive)``, ``receive()`` runs the
+        receive phase (the hook)."""
+        # One C++ entry launches the send phase and allocates the outputs and the handle's tensors (at::empty is cheaper
+        # than torch.empty from Python); it binds the receive phase, so the hook converts no arguments. send_slot is the
+        # plan: each (token, k) entry's slot at its expert (what the combine reads). wait_stats: the receive kernel adds
+        # the clock64 cycles it spun per source rank (no extra kernel).
+        recv_x, recv_scales, recv_count, send_slot, src_info, layout_range, receive = self.buffer.dispatch_send(
+            args.half,
+            args.x,
+            args.topk_idx,
+            args.num_max_dispatch_tokens_per_rank,
+            args.num_experts,
+            args.use_fp8,
+            args.round_scale,
+            args.use_ue8m0,
+            args.cumulative_stats,
+            args.wait_stats,
         )
-        handle = args.make_handle(src_info, layout_range, LowLatencyState(send_slot=send_slot))
-
-        def receive(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_count: torch.Tensor) -> None:
-            # The scales are a transposed view of a [E_local, groups, slots] tensor: the kernel writes that storage.
-            # wait_stats: the receive kernel adds the clock64 cycles it spun per source rank (no extra kernel).
-            storage = None if recv_scales is None else recv_scales.transpose(1, 2)
-            self.buffer.dispatch_recv(
-                half,
-                max_tokens,
-                num_experts,
-                hidden,
-                args.use_fp8,
-                args.use_ue8m0,
-                recv_x,
-                storage,
-                src_info,
-                layout_range,
-                recv_count,
-                args.cumulative_stats,
-                args.wait_stats,
-            )
-
-        return handle, receive
+        handle = args.make_handle(src_info, layout_range, LowLatencyState(send_slot))
+        return handle, (recv_x, recv_scales, recv_count), receive
 
     def low_latency_combine(self, args: LowLatencyCombineArgs):
-        """The send phase now; returns ``receive(out)``, which runs the receive phase (the hook)."""
-        x, topk_idx, topk_weights, handle, half = args.x, args.topk_idx, args.topk_weights, args.handle, args.half
-        state: LowLatencyState = handle.backend_state
-        max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
-        self.buffer.combine_send(half, x, handle.layout_range, max_tokens, num_experts)
-
-        def receive(out: torch.Tensor) -> None:
-            self.buffer.combine_recv(
-                half,
-                topk_idx,
-                topk_weights,
-                state.send_slot,
-                max_tokens,
-                num_experts,
-                out,
-                self.buffer.max_blocks,
-                args.wait_stats,
-            )
-
-        return receive
+        """The send phase now; returns ``(out, receive)``, ``receive()`` runs the receive phase (the hook) into ``out``
+        (``args.out``, else allocated by the C++ entry)."""
+        handle = args.handle
+        return self.buffer.combine_send(
+            args.half,
+            args.x,
+            handle.layout_range,
+            handle.num_max_dispatch_tokens_per_rank,
+            handle.num_experts,
+            args.topk_idx,
+            args.topk_weights,
+            handle.backend_state.send_slot,
+            args.out,
+            args.wait_stats,
+        )
 
     def combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
         key = (half, tuple(shape))
