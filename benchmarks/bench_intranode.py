@@ -12,7 +12,7 @@ GPU is several HBM passes per logical byte, so the ratio says how close the desi
 "HBM traffic" counts what a call must move at least (each input row read once, each output row written once) against
 the same copy bandwidth: at EP = 1 (loopback) that is the share of the GPU's memory bandwidth the call reaches.
 Times are medians over several groups of back-to-back calls (ranks stay in lock step through the kernels'
-barriers), measured with CUDA events.
+barriers), measured with CUDA events; by default each group starts behind one untimed call (``--timing steady``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,21 @@ STAGING_REFERENCE_GBPS = {
 }  # DESIGN.md 6: best-known staging design, 8 ranks, 16 SMs
 
 
-def _time_calls(fn: Callable[[], object], calls: int, groups: int) -> float:
-    """Median over ``groups`` of the mean time (s) of ``calls`` back-to-back calls."""
+def _time_calls(fn: Callable[[], object], calls: int, groups: int, lead: bool = False) -> float:
+    """Median over ``groups`` of the mean time (s) of ``calls`` back-to-back calls.
+
+    ``lead``: one untimed call is issued before the start event of each group, so the timed calls find the GPU busy
+    (steady state: the host prepares each call while the GPU runs the one before). Without it the GPU idles through the
+    first call's host preamble (argument checks, launches), which adds preamble / ``calls`` to every call's time.
+    """
     fn()
     torch.cuda.synchronize()
     per_call: List[float] = []
     for _ in range(groups):
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead:
+            fn()
         start.record()
         for _ in range(calls):
             fn()
@@ -123,7 +130,8 @@ def intranode_calls(
 def time_calls(buffer: Buffer, args, topk_idx, x, x_fp8, kwargs: dict, handle, y, worst: int) -> Dict[str, float]:
     """Seconds per call of each of intranode_calls."""
     calls = intranode_calls(buffer, args, topk_idx, x, x_fp8, kwargs, handle, y, worst)
-    return {kind: _time_calls(call, args.calls, args.groups) for kind, call in calls.items()}
+    lead = getattr(args, "timing", "cold") == "steady"
+    return {kind: _time_calls(call, args.calls, args.groups, lead) for kind, call in calls.items()}
 
 
 def _rank_main(rank: int, world: int, args) -> Dict:
@@ -235,6 +243,13 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed group")
     parser.add_argument("--groups", type=int, default=5)
+    parser.add_argument(
+        "--timing",
+        choices=("steady", "cold"),
+        default="steady",
+        help="steady: an untimed call runs before each timed group, so the GPU is busy when timing starts; cold: "
+        "timing starts on an idle GPU (the first call's host preamble counts)",
+    )
     parser.add_argument("--out", default=None, help="write the full results as JSON here")
     parser.add_argument(
         "--tune-sms",
@@ -248,7 +263,7 @@ def main(argv=None) -> int:
     gpus = torch.cuda.device_count()
     print(
         f"intranode: {args.ranks} ranks on {min(gpus, args.ranks)} GPU(s) ({torch.cuda.get_device_name()}), "
-        f"{args.num_sms} SMs/rank, hidden {args.hidden}, top-{args.topk} of {args.experts}; "
+        f"{args.num_sms} SMs/rank, hidden {args.hidden}, top-{args.topk} of {args.experts}, {args.timing} timing; "
         f"copy bandwidth {copy_gbps:.0f} GB/s (read+write)"
     )
     table = []

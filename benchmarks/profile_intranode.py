@@ -41,16 +41,22 @@ def _event_us(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def _kernel_us(fn, profiled: int) -> dict:
+def _kernel_us(fn, profiled: int) -> tuple:
+    """Each kernel's GPU time per call, and the GPU span per call: first kernel start to last kernel end over the
+    profiled calls, divided by their number (span minus the kernels' sum is the idle time between kernels)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
             fn()
         torch.cuda.synchronize()
     per_kernel = collections.defaultdict(float)
+    starts, ends = [], []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[short_kernel_name(event.name)] += event.device_time / profiled
-    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+            starts.append(event.time_range.start)
+            ends.append(event.time_range.end)
+    span = (max(ends) - min(starts)) / profiled if starts else 0.0
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1])), span
 
 
 def _profile_one_rank(rank: int, world: int, args) -> None:
@@ -71,7 +77,10 @@ def _profile_one_rank(rank: int, world: int, args) -> None:
             fn()
         torch.cuda.synchronize()
         print(f"{name}: {_event_us(fn, args.calls):.1f} us per call (CUDA events, median)")
-        for kernel, us in _kernel_us(fn, args.profiled).items():
+        per_kernel, span = _kernel_us(fn, args.profiled)
+        busy = sum(per_kernel.values())
+        print(f"  GPU span {span:.1f} us per call: kernels {busy:.1f} us, idle between them {span - busy:.1f} us")
+        for kernel, us in per_kernel.items():
             print(f"  {us:9.1f} us  {kernel}")
     buffer.destroy()
 

@@ -77,6 +77,10 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
         )
         t0 = kernels[0].time_range.start if kernels else 0
         timeline = [(short_kernel_name(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
+        # The profiler's times count from its own start; its trace start (host clock, shared by the ranks' processes)
+        # puts every rank's kernels on one axis.
+        results = getattr(prof.profiler, "kineto_results", None)
+        origin = results.trace_start_ns() / 1e3 if results is not None and hasattr(results, "trace_start_ns") else None
         durations: Dict[str, List[float]] = {}
         for name, _, duration in timeline:
             durations.setdefault(name, []).append(duration)
@@ -85,12 +89,32 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
             span_per_pair=(kernels[-1].time_range.end - t0) / pairs if kernels else 0.0,
             median={name: statistics.median(d) for name, d in durations.items()},
             last_pair=timeline[-len(timeline) // pairs :] if timeline else [],
+            last_pair_host_clock=[
+                (name, origin + t0 + start, duration) for name, start, duration in timeline[-len(timeline) // pairs :]
+            ]
+            if timeline and origin is not None
+            else [],
         )
         del graph
     gathered: List = [None] * world
     dist.all_gather_object(gathered, rows)
     buffer.destroy()
     return gathered
+
+
+def _print_cross_rank(per_rank: List, tokens: int) -> None:
+    """Every rank's kernels of the last pair on one time axis (µs from the earliest start): which rank starts each
+    phase last, and how long the others' kernels wait for it."""
+    pairs = [r[tokens]["last_pair_host_clock"] for r in per_rank]
+    if not all(pairs):
+        return
+    origin = min(start for pair in pairs for _, start, _ in pair)
+    print("   last pair on every rank (start-end µs from the earliest kernel start, host clock):")
+    for rank, pair in enumerate(pairs):
+        cells = "  ".join(
+            f"{name.replace('_kernel', '')} {start - origin:.0f}-{start - origin + d:.0f}" for name, start, d in pair
+        )
+        print(f"     rank {rank}: {cells}")
 
 
 def main(argv=None) -> int:
@@ -108,6 +132,7 @@ def main(argv=None) -> int:
         print("   rank 0, last pair (name, start µs, duration µs):")
         for name, start, duration in per_rank[0][tokens]["last_pair"]:
             print(f"     {name:48s} {start:9.1f} {duration:7.1f}")
+        _print_cross_rank(per_rank, tokens)
     return 0
 
 
