@@ -9,6 +9,7 @@
 #include "constants.h"
 #include "copy.cuh"
 #include "intranode.cuh"
+#include "launch.cuh"
 #include "sync.cuh"
 #include "vec.cuh"
 
@@ -59,6 +60,8 @@ __device__ __forceinline__ void report_input_error(InputError* error, int code, 
 
 __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, Published publish,
                                bool has_publish, bool clear_input_error) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ int* peer_flags[kMaxRanks];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
     // The barrier's fence and release order these stores before this rank's arrival.
@@ -126,6 +129,8 @@ __global__ void __launch_bounds__(kScanThreads)
     send_positions_kernel(Peers peers, int rank, int num_ranks, int num_chunks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
                           int* counts) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     using BlockScan = cub::BlockScan<int, kScanThreads>;
     using BlockReduce = cub::BlockReduce<int, kScanThreads>;
     __shared__ union {
@@ -208,6 +213,8 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
                               int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
                               int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
                               int* go, CountReport* report, int report_tag, int64_t timeout_ns, int* expert_table) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
     char* mine = peers.base[rank];
@@ -370,6 +377,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales, int scale_row_bytes,
                     const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
                     const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     if (go != nullptr && *go == 0) return;  // a receiver's block is too small or an input is bad: the host decides
     __shared__ int base_in_dst[kMaxRanks];
     __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
@@ -495,6 +504,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
 
 __global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
                                     int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ int num_recv;
     if (threadIdx.x == 0) num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
     __syncthreads();
@@ -562,6 +573,8 @@ __device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
     combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
                         const int* count_matrix) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ CombineTargets targets;
     load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
     const int num_recv = targets.row_begin[num_ranks];
@@ -625,6 +638,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, const char* local_x, const float* local_weights,
                           int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos,
                           int num_tokens, int hidden, const T* bias0, const T* bias1, T* out, float* out_weights, int num_topk) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
     // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
@@ -901,10 +916,9 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
     const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
     const int64_t check_batches = ceil_div<int64_t>(entries, int64_t{kScanThreads} * kCheckEntries);
     const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, check_batches));
-    send_positions_kernel<<<num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream>>>(
-        peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos,
-        counts);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), send_positions_kernel, num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream,
+                  peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts,
+                  send_pos, counts);
 }
 
 void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
@@ -916,22 +930,21 @@ void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* 
     EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
     EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
                    scale_row_bytes, "/", num_topk, " does not pack");
-    notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, pool_bytes, block_offset, block_bytes, block_rows,
-                                                         x_row_bytes,
-                                                         scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
-                                                         go, report, report_tag, timeout_ns, expert_table);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), notify_kernel, 1, kNumThreadsPerBlock, 0, stream, peers, rank, num_ranks, epoch,
+                  num_tokens_per_rank, num_tokens_per_expert, num_experts, expert_alignment, pool_bytes, block_offset, block_bytes,
+                  block_rows, x_row_bytes, scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan, go, report,
+                  report_tag, timeout_ns, expert_table);
 }
 
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
              cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     static_assert(kNumPublished <= kNumThreadsPerBlock, "one thread per published field");
-    barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage,
-                                                          publish != nullptr ? *publish : Published{}, publish != nullptr,
-                                                          clear_input_error);
-    EP_CUDA_CHECK(cudaGetLastError());
+    // One rank meets no peer: a barrier that neither publishes nor clears the input error would only advance the epoch
+    // (which only barriers read), and stream order already does the rest.
+    if (num_ranks == 1 && publish == nullptr && !clear_input_error) return;
+    launch_kernel(chained_launch_for(num_ranks), barrier_kernel, 1, kNumThreadsPerBlock, 0, stream, peers, rank, num_ranks, epoch,
+                  timeout_ns, stage, publish != nullptr ? *publish : Published{}, publish != nullptr, clear_input_error);
 }
 
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
@@ -940,10 +953,9 @@ void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_
               cudaStream_t stream) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
     if (num_tokens == 0) return;
-    dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(
-        peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), dispatch_kernel, data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream, peers,
+                  rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
+                  topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
 }
 
 void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,
@@ -960,16 +972,14 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
                   float* recv_topk_weights, int num_topk, cudaStream_t stream) {
     if (rows_out == 0) return;
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(rows_out, kNumThreadsPerBlock), kMaxFinishBlocks));
-    mark_padding_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(count_matrix, rank, num_ranks, rows_out, recv_src_idx, recv_topk_idx,
-                                                                  recv_topk_weights, num_topk);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), mark_padding_kernel, grid, kNumThreadsPerBlock, 0, stream, count_matrix, rank, num_ranks,
+                  rows_out, recv_src_idx, recv_topk_idx, recv_topk_weights, num_topk);
 }
 
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
                   const int* count_matrix, int num_sms, cudaStream_t stream) {
-    combine_send_kernel<<<num_sms, kDataThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
-                                                                      topk_weights, num_topk, count_matrix);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), combine_send_kernel, num_sms, kDataThreadsPerBlock, 0, stream, peers, rank, num_ranks,
+                  static_cast<const char*>(x), x_row_bytes, topk_weights, num_topk, count_matrix);
 }
 
 void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
@@ -994,12 +1004,11 @@ void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_we
     with_float_type(type, [&](auto element) {
         using T = decltype(element);
         EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(
-            peers, rows_x, rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
-            send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out), out_weights,
-            num_topk);
+        launch_kernel(chained_launch_for(num_ranks), combine_reduce_kernel<T>, grid, kDataThreadsPerBlock, 0, stream, peers, rows_x,
+                      rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+                      send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out),
+                      out_weights, num_topk);
     });
-    EP_CUDA_CHECK(cudaGetLastError());
 }
 
 
