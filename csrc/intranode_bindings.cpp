@@ -286,9 +286,10 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     intranode::dispatch(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
                         topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                         num_topk, num_local_experts, is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
-                        count_matrix.data_ptr<int>(), plan, go, num_tokens, static_cast<int>(num_sms), stream);
-    // Past this barrier every peer has read this call's counts, block and input error: the error can be cleared.
-    intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream, true);
+                        count_matrix.data_ptr<int>(), plan, go, num_tokens, static_cast<int>(num_sms), stream, R == 1);
+    // Past this barrier every peer has read this call's counts, block and input error: the error can be cleared. One
+    // rank has no barrier to wait for (its dispatch kernel cleared the error).
+    intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream, R > 1);
 
     // Without the counts on the host (num_worst_tokens), a bound: each token goes to at most min(R, num_topk) ranks.
     int64_t sent_rows = static_cast<int64_t>(num_tokens) * (topk_idx ? std::min(R, num_topk) : R), most_sent = sent_rows;

@@ -376,9 +376,11 @@ __device__ __forceinline__ int recv_base(const int* count_matrix, int num_ranks,
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
     dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales, int scale_row_bytes,
                     const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
-                    const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens) {
+                    const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens,
+                    bool clear_input_error) {
     wait_for_previous_kernel();
     let_next_kernel_start();
+    if (clear_input_error && blockIdx.x == 0 && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
     if (go != nullptr && *go == 0) return;  // a receiver's block is too small or an input is bad: the host decides
     __shared__ int base_in_dst[kMaxRanks];
     __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
@@ -950,12 +952,15 @@ void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t ti
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
               const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
               const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens, int num_sms,
-              cudaStream_t stream) {
+              cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
-    if (num_tokens == 0) return;
+    EP_HOST_ASSERT(!clear_input_error || num_ranks == 1, "only one rank's dispatch kernel may clear the input error");
+    // No tokens: no kernel, so the input error is cleared by one block that copies nothing.
+    if (num_tokens == 0 && !clear_input_error) return;
     launch_kernel(chained_launch_for(num_ranks), dispatch_kernel, data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream, peers,
                   rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-                  topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
+                  topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens,
+                  clear_input_error);
 }
 
 void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,

@@ -230,11 +230,12 @@ void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t ti
 // Sender side: writes every (token, destination) pair straight into the destination's output regions at its final
 // row. The regions come from `plan` (notify's, on this device; nothing is written unless *go) or, with a null plan,
 // from the offsets each destination published at the barrier before. topk_idx/topk_weights may be null (then
-// nothing is written for them); scales may be null.
+// nothing is written for them); scales may be null. `clear_input_error` (one rank only, whose notify ran before this
+// kernel and was the error's only reader): the kernel clears the recorded input error, so no barrier need follow.
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
               int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
               const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go,
-              int num_tokens, int num_sms, cudaStream_t stream);
+              int num_tokens, int num_sms, cudaStream_t stream, bool clear_input_error = false);
 
 // Receiver side of a num_worst_tokens dispatch, after the data barrier: rows [num_recv, rows_out) get recv_src_idx = -1,
 // topk_idx = -1 and weight 0 (recv_x padding is left unspecified). topk outputs may be null.
