@@ -121,6 +121,8 @@ __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, i
     return hits;
 }
 
+__device__ void notify_block(const NotifyArgs& a);
+
 // Blocks [0, num_ranks * num_chunks) each scan one kScanChunk chunk of one destination's column of is_token_in_rank,
 // starting from the hits of that column's earlier chunks (counted again by the block: no block waits for another). The
 // last chunk's block writes the destination's count. The blocks after them check topk_idx's range, kCheckEntries
@@ -128,7 +130,7 @@ __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, i
 __global__ void __launch_bounds__(kScanThreads)
     send_positions_kernel(Peers peers, int rank, int num_ranks, int num_chunks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
-                          int* counts) {
+                          int* counts, NotifyArgs then_notify, bool notify_after) {
     wait_for_previous_kernel();
     let_next_kernel_start();
     using BlockScan = cub::BlockScan<int, kScanThreads>;
@@ -171,36 +173,51 @@ __global__ void __launch_bounds__(kScanThreads)
             counts[dst] = total;
             if (expected != total) report_input_error(error, kTokensPerRankMismatch, dst, total, expected);
         }
-        return;
-    }
-    if (topk_idx == nullptr) return;
-    // topk_idx is 8-byte aligned; 16-byte vectors start at entry `skew` (0 or 1), threads kCheckEntries apart from
-    // there, and the leading entry before it (if any) goes to the first check thread.
-    const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
-    const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
-    const auto check = [&](int64_t i, int64_t expert) {
-        if (expert < -1 || expert >= num_experts)
-            report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
-    };
-    const int64_t thread = static_cast<int64_t>(blockIdx.x - scan_blocks) * kScanThreads + threadIdx.x;
-    const int64_t threads = static_cast<int64_t>(gridDim.x - scan_blocks) * kScanThreads;
-    if (thread == 0 && skew != 0 && entries > 0) check(0, topk_idx[0]);
-    for (int64_t i = skew + thread * kCheckEntries; i < entries; i += threads * kCheckEntries) {
-        int64_t expert[kCheckEntries];
-        if (i + kCheckEntries <= entries) {
-            const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
-            longlong2 pairs[kCheckEntries / 2];
-#pragma unroll
-            for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
-#pragma unroll
-            for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
-        } else {
-#pragma unroll
-            for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
+    } else if (topk_idx != nullptr) {
+        // topk_idx is 8-byte aligned; 16-byte vectors start at entry `skew` (0 or 1), threads kCheckEntries apart from
+        // there, and the leading entry before it (if any) goes to the first check thread.
+        const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
+        const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
+        const auto check = [&](int64_t i, int64_t expert) {
+            if (expert < -1 || expert >= num_experts)
+                report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
+        };
+        const int64_t thread = static_cast<int64_t>(blockIdx.x - scan_blocks) * kScanThreads + threadIdx.x;
+        const int64_t threads = static_cast<int64_t>(gridDim.x - scan_blocks) * kScanThreads;
+        if (thread == 0 && skew != 0 && entries > 0) check(0, topk_idx[0]);
+        for (int64_t i = skew + thread * kCheckEntries; i < entries; i += threads * kCheckEntries) {
+            int64_t expert[kCheckEntries];
+            if (i + kCheckEntries <= entries) {
+                const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
+                longlong2 pairs[kCheckEntries / 2];
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
+            } else {
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
+            }
+    #pragma unroll
+            for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
         }
-#pragma unroll
-        for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
     }
+    if (!notify_after) return;
+    // The last block to finish runs notify: every block's counts and input error are visible to it (each block's
+    // thread 0 fences before it arrives, and the last one fences after seeing all arrivals).
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        auto* arrivals = reinterpret_cast<unsigned*>(peers.base[rank] + kScanArrivalsOffset);
+        __threadfence();
+        is_last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+        if (is_last) {
+            *arrivals = 0;  // for the next call (stream order: it starts after this kernel)
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (is_last) notify_block(then_notify);
 }
 
 // Packs a row shape for the signal area (row bytes < 2^24, top-k < 2^16: far beyond any real shape).
@@ -208,13 +225,18 @@ __host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_
     return (static_cast<int64_t>(x_row_bytes) << 40) | (static_cast<int64_t>(scale_row_bytes) << 16) | num_topk;
 }
 
-__global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
-                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
-                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
-                              int* go, CountReport* report, int report_tag, int64_t timeout_ns, int* expert_table) {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
+// notify (intranode.cuh), run by one block: the notify kernel's, or send_positions' last.
+__device__ void notify_block(const NotifyArgs& a) {
+    const Peers& peers = a.peers;
+    const int rank = a.rank, num_ranks = a.num_ranks, num_experts = a.num_experts, expert_alignment = a.expert_alignment;
+    const int x_row_bytes = a.x_row_bytes, scale_row_bytes = a.scale_row_bytes, num_topk = a.num_topk;
+    const int* num_tokens_per_rank = a.num_tokens_per_rank;
+    const int* num_tokens_per_expert = a.num_tokens_per_expert;
+    int *count_matrix = a.count_matrix, *rank_prefix_matrix = a.rank_prefix_matrix, *recv_per_expert = a.recv_per_expert;
+    int *go = a.go, *expert_table = a.expert_table;
+    ReceiverRegions* plan = a.plan;
+    CountReport* report = a.report;
+    const int64_t pool_bytes = a.pool_bytes, block_offset = a.block_offset, block_bytes = a.block_bytes, block_rows = a.block_rows;
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
     char* mine = peers.base[rank];
@@ -236,7 +258,7 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         all_fit = 1;
     }
     __syncthreads();
-    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyCounts);
+    sync::block_barrier(peer_flags, flags_of(mine), a.epoch, rank, num_ranks, a.timeout_ns, sync::kStageNotifyCounts);
 
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
         const int src = i / num_ranks, dst = i % num_ranks;
@@ -361,9 +383,15 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             report->fits = all_fit;
             report->min_pool_bytes = min_pool;
             __threadfence_system();  // the report's contents before its tag
-            *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
+            *reinterpret_cast<volatile int*>(&report->tag) = a.report_tag;
         }
     }
+}
+
+__global__ void notify_kernel(NotifyArgs args) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    notify_block(args);
 }
 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
@@ -907,10 +935,24 @@ int combine_capacity(int64_t data_bytes, int x_row_bytes, int num_topk) {
     return static_cast<int>(std::max<int64_t>(0, (data_bytes - 2 * kRegionAlignment) / per_row));
 }
 
+namespace {
+// The checks notify's arguments must pass (the row shape is packed into one int64 for the peers).
+void check_notify_args(const NotifyArgs& a) {
+    EP_HOST_ASSERT(a.num_ranks <= kMaxRanks && a.num_ranks <= kNumThreadsPerBlock, "num_ranks=", a.num_ranks);
+    EP_HOST_ASSERT(a.num_experts <= kMaxExperts, "num_experts=", a.num_experts, " exceeds ", kMaxExperts);
+    EP_HOST_ASSERT(a.x_row_bytes < (1 << 24) && a.scale_row_bytes < (1 << 24) && a.num_topk < (1 << 16), "row shape ", a.x_row_bytes,
+                   "/", a.scale_row_bytes, "/", a.num_topk, " does not pack");
+}
+}  // namespace
+
 void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
-                    cudaStream_t stream) {
+                    const NotifyArgs* then_notify, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
+    if (then_notify != nullptr) {
+        check_notify_args(*then_notify);
+        EP_HOST_ASSERT(then_notify->num_tokens_per_rank == counts, "notify after send_positions reads the counts it wrote");
+    }
     // A block per (destination, chunk of tokens), at least one chunk (its block writes the count, even of no tokens);
     // then range-check blocks, enough that each thread loads one batch of topk_idx (a grid-stride loop past the cap).
     constexpr int kMaxCheckBlocks = 1024;
@@ -920,22 +962,12 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
     const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, check_batches));
     launch_kernel(chained_launch_for(num_ranks), send_positions_kernel, num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream,
                   peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts,
-                  send_pos, counts);
+                  send_pos, counts, then_notify != nullptr ? *then_notify : NotifyArgs{}, then_notify != nullptr);
 }
 
-void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
-            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert,
-            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream,
-            int* expert_table) {
-    EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
-    EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
-    EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
-                   scale_row_bytes, "/", num_topk, " does not pack");
-    launch_kernel(chained_launch_for(num_ranks), notify_kernel, 1, kNumThreadsPerBlock, 0, stream, peers, rank, num_ranks, epoch,
-                  num_tokens_per_rank, num_tokens_per_expert, num_experts, expert_alignment, pool_bytes, block_offset, block_bytes,
-                  block_rows, x_row_bytes, scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan, go, report,
-                  report_tag, timeout_ns, expert_table);
+void notify(const NotifyArgs& args, cudaStream_t stream) {
+    check_notify_args(args);
+    launch_kernel(chained_launch_for(args.num_ranks), notify_kernel, 1, kNumThreadsPerBlock, 0, stream, args);
 }
 
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
