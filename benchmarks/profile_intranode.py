@@ -7,6 +7,10 @@ Shape as bench_intranode.py (hidden 7168, top-8 of 256, FP8 dispatch, BF16 combi
 call: the median time of --calls calls timed one by one with CUDA events, then each kernel's GPU time per call
 (summed over --profiled calls). Fresh minus cached is the count exchange's cost on the GPU: the send-position scan
 with its ``topk_idx`` check, notify, and what the fresh data kernel writes besides the rows.
+
+One rank launches its kernels chained (``csrc/kernels/launch.cuh``): a kernel then starts while the one before it
+still runs and waits for it, and the profiler counts that wait as the kernel's time (the printed idle time goes
+negative). Run with ``EP_DISPATCHER_CHAINED_LAUNCH=0`` for each kernel's own time.
 """
 
 from __future__ import annotations

@@ -273,22 +273,42 @@ FreshDispatchOutputs dispatch_fresh(IpcBuffer& buffer, const at::Tensor& x, cons
     int* go = ints.data_ptr<int>() + plan_at + plan_ints;
     at::Tensor send_pos = at::empty({num_tokens, R}, x.options().dtype(at::kInt));
 
+    // The count exchange (notify) runs in the send-position kernel's last block: one launch less.
+    const int tag = buffer.next_report_tag();
+    const intranode::NotifyArgs notify{buffer.peers(),
+                                       rank,
+                                       R,
+                                       buffer.epoch(),
+                                       counts.data_ptr<int>(),
+                                       num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr,
+                                       static_cast<int>(num_experts),
+                                       static_cast<int>(expert_alignment),
+                                       pool.capacity(),
+                                       block,
+                                       block_bytes,
+                                       worst ? num_worst_tokens : -1,
+                                       x_row,
+                                       scale_row,
+                                       num_topk,
+                                       count_matrix.data_ptr<int>(),
+                                       rank_prefix_matrix.data_ptr<int>(),
+                                       recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr,
+                                       plan,
+                                       go,
+                                       buffer.report_on_device(),
+                                       tag,
+                                       timeout_ns,
+                                       nullptr};
     intranode::send_positions(buffer.peers(), rank, R, is_token_in_rank.data_ptr<bool>(), num_tokens, num_tokens_per_rank.data_ptr<int>(),
                               topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, num_topk, static_cast<int>(num_experts),
-                              send_pos.data_ptr<int>(), counts.data_ptr<int>(), stream);
-    const int tag = buffer.next_report_tag();
-    intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(),
-                      num_tokens_per_expert ? num_tokens_per_expert->data_ptr<int>() : nullptr, static_cast<int>(num_experts),
-                      static_cast<int>(expert_alignment), pool.capacity(), block, block_bytes, worst ? num_worst_tokens : -1, x_row,
-                      scale_row, num_topk, count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
-                      recv_per_expert ? recv_per_expert->data_ptr<int>() : nullptr, plan, go, buffer.report_on_device(), tag, timeout_ns,
-                      stream);
+                              send_pos.data_ptr<int>(), counts.data_ptr<int>(), &notify, stream);
     intranode::dispatch(buffer.peers(), rank, R, x.data_ptr(), x_row, scales ? scales->data_ptr() : nullptr, scale_row,
                         topk_idx ? topk_idx->data_ptr<int64_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                         num_topk, num_local_experts, is_token_in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
-                        count_matrix.data_ptr<int>(), plan, go, num_tokens, static_cast<int>(num_sms), stream);
-    // Past this barrier every peer has read this call's counts, block and input error: the error can be cleared.
-    intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream, true);
+                        count_matrix.data_ptr<int>(), plan, go, num_tokens, static_cast<int>(num_sms), stream, R == 1);
+    // Past this barrier every peer has read this call's counts, block and input error: the error can be cleared. One
+    // rank has no barrier to wait for (its dispatch kernel cleared the error).
+    intranode::barrier(buffer.peers(), rank, R, buffer.epoch(), timeout_ns, sync::kStageDispatchData, nullptr, stream, R > 1);
 
     // Without the counts on the host (num_worst_tokens), a bound: each token goes to at most min(R, num_topk) ranks.
     int64_t sent_rows = static_cast<int64_t>(num_tokens) * (topk_idx ? std::min(R, num_topk) : R), most_sent = sent_rows;
@@ -387,17 +407,18 @@ ExpertMajorOutputs dispatch_expert_major_fresh(IpcBuffer& buffer, const at::Tens
     at::Tensor pairs = at::empty({2, num_tokens, num_topk}, x.options().dtype(at::kInt));
 
     intranode::send_positions(buffer.peers(), rank, R, is_token_in_rank.data_ptr<bool>(), num_tokens, num_tokens_per_rank.data_ptr<int>(),
-                              topk_idx.data_ptr<int64_t>(), num_topk, E, send_pos.data_ptr<int>(), counts.data_ptr<int>(), stream);
+                              topk_idx.data_ptr<int64_t>(), num_topk, E, send_pos.data_ptr<int>(), counts.data_ptr<int>(), nullptr, stream);
     // The pair counts published are the ones the positions come from (not the caller's num_tokens_per_expert), so the
     // slots cannot overrun whatever the caller passed.
     intranode::expert_positions(topk_idx.data_ptr<int64_t>(), is_token_in_rank.data_ptr<bool>(), num_tokens, num_topk, E, R,
                                 pairs.data_ptr<int>(), expert_counts.data_ptr<int>(), stream);
     const int tag = buffer.next_report_tag();
     RecvPool& pool = buffer.pool();
-    intranode::notify(buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(), expert_counts.data_ptr<int>(), E,
-                      static_cast<int>(expert_alignment), pool.capacity(), -1, 0, -1, x_row, scale_row, num_topk,
-                      count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(), per_expert.data_ptr<int>(), nullptr, nullptr,
-                      buffer.report_on_device(), tag, timeout_ns, stream, expert_table.data_ptr<int>());
+    intranode::notify({buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(), expert_counts.data_ptr<int>(), E,
+                       static_cast<int>(expert_alignment), pool.capacity(), -1, 0, -1, x_row, scale_row, num_topk,
+                       count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(), per_expert.data_ptr<int>(), nullptr, nullptr,
+                       buffer.report_on_device(), tag, timeout_ns, expert_table.data_ptr<int>()},
+                      stream);
     wait_for_report(buffer, tag, stream, timeout_ns);
     const intranode::CountReport& report = *buffer.report();
     // Ends the call on every path: past it every peer has read this call's counts and input error (cleared then).

@@ -14,6 +14,9 @@ package is imported (e.g. ``EP_DISPATCHER_RANKS_PER_NODE`` to lay ranks out as v
   its cached dispatch and its combine with the fused kernels (rows written straight into their expert-major slots,
   docs/fused_permute.md); ``0`` runs the fallback instead (engine dispatch + device permute, bit-identical). Read when
   a call is routed, so a spawned rank may set it after the import; every rank of a group must see the same value.
+- ``EP_DISPATCHER_CHAINED_LAUNCH`` (1): a one-rank group launches its intranode and low-latency kernels chained
+  (programmatic dependent launch: each kernel's launch overlaps the tail of the one before,
+  ``csrc/kernels/launch.cuh``); ``0`` launches them one after another. Read by the extension, once per process.
 - ``EP_DISPATCHER_MEGATRON_BACKEND``, ``EP_DISPATCHER_DEEPSPEED_BACKEND`` (auto): the plugins' ``Buffer(backend=)``.
 - ``NVSHMEM_SYMMETRIC_SIZE`` (``num_rdma_bytes`` + 256 MiB): NVSHMEM's heap, sized once per process at its init.
 - ``MASTER_ADDR`` (unset: loopback): the host rank 0 publishes for the DeepEP-compatible MPI stand-in

@@ -9,6 +9,7 @@
 #include "constants.h"
 #include "copy.cuh"
 #include "intranode.cuh"
+#include "launch.cuh"
 #include "sync.cuh"
 #include "vec.cuh"
 
@@ -59,6 +60,8 @@ __device__ __forceinline__ void report_input_error(InputError* error, int code, 
 
 __global__ void barrier_kernel(Peers peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, Published publish,
                                bool has_publish, bool clear_input_error) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ int* peer_flags[kMaxRanks];
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) peer_flags[r] = flags_of(peers.base[r]);
     // The barrier's fence and release order these stores before this rank's arrival.
@@ -118,6 +121,8 @@ __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, i
     return hits;
 }
 
+__device__ void notify_block(const NotifyArgs& a);
+
 // Blocks [0, num_ranks * num_chunks) each scan one kScanChunk chunk of one destination's column of is_token_in_rank,
 // starting from the hits of that column's earlier chunks (counted again by the block: no block waits for another). The
 // last chunk's block writes the destination's count. The blocks after them check topk_idx's range, kCheckEntries
@@ -125,7 +130,9 @@ __device__ __forceinline__ int column_hits_below(const bool* is_token_in_rank, i
 __global__ void __launch_bounds__(kScanThreads)
     send_positions_kernel(Peers peers, int rank, int num_ranks, int num_chunks, const bool* is_token_in_rank, int num_tokens,
                           const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos,
-                          int* counts) {
+                          int* counts, NotifyArgs then_notify, bool notify_after) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     using BlockScan = cub::BlockScan<int, kScanThreads>;
     using BlockReduce = cub::BlockReduce<int, kScanThreads>;
     __shared__ union {
@@ -166,36 +173,51 @@ __global__ void __launch_bounds__(kScanThreads)
             counts[dst] = total;
             if (expected != total) report_input_error(error, kTokensPerRankMismatch, dst, total, expected);
         }
-        return;
-    }
-    if (topk_idx == nullptr) return;
-    // topk_idx is 8-byte aligned; 16-byte vectors start at entry `skew` (0 or 1), threads kCheckEntries apart from
-    // there, and the leading entry before it (if any) goes to the first check thread.
-    const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
-    const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
-    const auto check = [&](int64_t i, int64_t expert) {
-        if (expert < -1 || expert >= num_experts)
-            report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
-    };
-    const int64_t thread = static_cast<int64_t>(blockIdx.x - scan_blocks) * kScanThreads + threadIdx.x;
-    const int64_t threads = static_cast<int64_t>(gridDim.x - scan_blocks) * kScanThreads;
-    if (thread == 0 && skew != 0 && entries > 0) check(0, topk_idx[0]);
-    for (int64_t i = skew + thread * kCheckEntries; i < entries; i += threads * kCheckEntries) {
-        int64_t expert[kCheckEntries];
-        if (i + kCheckEntries <= entries) {
-            const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
-            longlong2 pairs[kCheckEntries / 2];
-#pragma unroll
-            for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
-#pragma unroll
-            for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
-        } else {
-#pragma unroll
-            for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
+    } else if (topk_idx != nullptr) {
+        // topk_idx is 8-byte aligned; 16-byte vectors start at entry `skew` (0 or 1), threads kCheckEntries apart from
+        // there, and the leading entry before it (if any) goes to the first check thread.
+        const int64_t entries = static_cast<int64_t>(num_tokens) * num_topk;
+        const int64_t skew = (reinterpret_cast<uintptr_t>(topk_idx) % 16) / sizeof(int64_t);
+        const auto check = [&](int64_t i, int64_t expert) {
+            if (expert < -1 || expert >= num_experts)
+                report_input_error(error, kTopkIdxOutOfRange, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), expert);
+        };
+        const int64_t thread = static_cast<int64_t>(blockIdx.x - scan_blocks) * kScanThreads + threadIdx.x;
+        const int64_t threads = static_cast<int64_t>(gridDim.x - scan_blocks) * kScanThreads;
+        if (thread == 0 && skew != 0 && entries > 0) check(0, topk_idx[0]);
+        for (int64_t i = skew + thread * kCheckEntries; i < entries; i += threads * kCheckEntries) {
+            int64_t expert[kCheckEntries];
+            if (i + kCheckEntries <= entries) {
+                const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
+                longlong2 pairs[kCheckEntries / 2];
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
+            } else {
+    #pragma unroll
+                for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
+            }
+    #pragma unroll
+            for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
         }
-#pragma unroll
-        for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
     }
+    if (!notify_after) return;
+    // The last block to finish runs notify: every block's counts and input error are visible to it (each block's
+    // thread 0 fences before it arrives, and the last one fences after seeing all arrivals).
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        auto* arrivals = reinterpret_cast<unsigned*>(peers.base[rank] + kScanArrivalsOffset);
+        __threadfence();
+        is_last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+        if (is_last) {
+            *arrivals = 0;  // for the next call (stream order: it starts after this kernel)
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (is_last) notify_block(then_notify);
 }
 
 // Packs a row shape for the signal area (row bytes < 2^24, top-k < 2^16: far beyond any real shape).
@@ -203,11 +225,18 @@ __host__ __device__ constexpr int64_t pack_row_shape(int x_row_bytes, int scale_
     return (static_cast<int64_t>(x_row_bytes) << 40) | (static_cast<int64_t>(scale_row_bytes) << 16) | num_topk;
 }
 
-__global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-                              const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes,
-                              int64_t block_offset, int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes,
-                              int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan,
-                              int* go, CountReport* report, int report_tag, int64_t timeout_ns, int* expert_table) {
+// notify (intranode.cuh), run by one block: the notify kernel's, or send_positions' last.
+__device__ void notify_block(const NotifyArgs& a) {
+    const Peers& peers = a.peers;
+    const int rank = a.rank, num_ranks = a.num_ranks, num_experts = a.num_experts, expert_alignment = a.expert_alignment;
+    const int x_row_bytes = a.x_row_bytes, scale_row_bytes = a.scale_row_bytes, num_topk = a.num_topk;
+    const int* num_tokens_per_rank = a.num_tokens_per_rank;
+    const int* num_tokens_per_expert = a.num_tokens_per_expert;
+    int *count_matrix = a.count_matrix, *rank_prefix_matrix = a.rank_prefix_matrix, *recv_per_expert = a.recv_per_expert;
+    int *go = a.go, *expert_table = a.expert_table;
+    ReceiverRegions* plan = a.plan;
+    CountReport* report = a.report;
+    const int64_t pool_bytes = a.pool_bytes, block_offset = a.block_offset, block_bytes = a.block_bytes, block_rows = a.block_rows;
     __shared__ int* peer_flags[kMaxRanks];
     __shared__ int all_fit;
     char* mine = peers.base[rank];
@@ -229,7 +258,7 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
         all_fit = 1;
     }
     __syncthreads();
-    sync::block_barrier(peer_flags, flags_of(mine), epoch, rank, num_ranks, timeout_ns, sync::kStageNotifyCounts);
+    sync::block_barrier(peer_flags, flags_of(mine), a.epoch, rank, num_ranks, a.timeout_ns, sync::kStageNotifyCounts);
 
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
         const int src = i / num_ranks, dst = i % num_ranks;
@@ -354,9 +383,15 @@ __global__ void notify_kernel(Peers peers, int rank, int num_ranks, int* epoch, 
             report->fits = all_fit;
             report->min_pool_bytes = min_pool;
             __threadfence_system();  // the report's contents before its tag
-            *reinterpret_cast<volatile int*>(&report->tag) = report_tag;
+            *reinterpret_cast<volatile int*>(&report->tag) = a.report_tag;
         }
     }
+}
+
+__global__ void notify_kernel(NotifyArgs args) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    notify_block(args);
 }
 
 // Row offset of `src`'s block inside `dst`'s receive layout: sum_{s < src} M[s][dst].
@@ -369,7 +404,11 @@ __device__ __forceinline__ int recv_base(const int* count_matrix, int num_ranks,
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
     dispatch_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const char* scales, int scale_row_bytes,
                     const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
-                    const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens) {
+                    const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens,
+                    bool clear_input_error) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    if (clear_input_error && blockIdx.x == 0 && threadIdx.x == 0) *input_error_of(peers.base[rank]) = InputError{};
     if (go != nullptr && *go == 0) return;  // a receiver's block is too small or an input is bad: the host decides
     __shared__ int base_in_dst[kMaxRanks];
     __shared__ char* dst_x[kMaxRanks];  // each destination's output regions (published), null where not written
@@ -495,6 +534,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
 
 __global__ void mark_padding_kernel(const int* count_matrix, int rank, int num_ranks, int rows_out, int* recv_src_idx,
                                     int64_t* recv_topk_idx, float* recv_topk_weights, int num_topk) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ int num_recv;
     if (threadIdx.x == 0) num_recv = recv_base(count_matrix, num_ranks, num_ranks, rank);
     __syncthreads();
@@ -562,6 +603,8 @@ __device__ __forceinline__ int64_t back_row_of(const CombineTargets& t, int rank
 __global__ void __launch_bounds__(kDataThreadsPerBlock)
     combine_send_kernel(Peers peers, int rank, int num_ranks, const char* x, int x_row_bytes, const float* topk_weights, int num_topk,
                         const int* count_matrix) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     __shared__ CombineTargets targets;
     load_combine_targets(targets, peers, rank, num_ranks, count_matrix);
     const int num_recv = targets.row_begin[num_ranks];
@@ -625,6 +668,8 @@ __global__ void __launch_bounds__(kDataThreadsPerBlock)
     combine_reduce_kernel(Peers peers, const char* x_region, const float* w_region, const char* local_x, const float* local_weights,
                           int rank, int num_ranks, const int* count_matrix, const bool* is_token_in_rank, const int* send_pos,
                           int num_tokens, int hidden, const T* bias0, const T* bias1, T* out, float* out_weights, int num_topk) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     using V = Vec<T>;
     // Where destination d's rows for this rank's tokens start: in d's own combine input when d published it (pull:
     // at the rows d received from this rank), else in this rank's combine region, where d pushed them. This rank's
@@ -890,10 +935,24 @@ int combine_capacity(int64_t data_bytes, int x_row_bytes, int num_topk) {
     return static_cast<int>(std::max<int64_t>(0, (data_bytes - 2 * kRegionAlignment) / per_row));
 }
 
+namespace {
+// The checks notify's arguments must pass (the row shape is packed into one int64 for the peers).
+void check_notify_args(const NotifyArgs& a) {
+    EP_HOST_ASSERT(a.num_ranks <= kMaxRanks && a.num_ranks <= kNumThreadsPerBlock, "num_ranks=", a.num_ranks);
+    EP_HOST_ASSERT(a.num_experts <= kMaxExperts, "num_experts=", a.num_experts, " exceeds ", kMaxExperts);
+    EP_HOST_ASSERT(a.x_row_bytes < (1 << 24) && a.scale_row_bytes < (1 << 24) && a.num_topk < (1 << 16), "row shape ", a.x_row_bytes,
+                   "/", a.scale_row_bytes, "/", a.num_topk, " does not pack");
+}
+}  // namespace
+
 void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
-                    cudaStream_t stream) {
+                    const NotifyArgs* then_notify, cudaStream_t stream) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks, "num_ranks=", num_ranks);
+    if (then_notify != nullptr) {
+        check_notify_args(*then_notify);
+        EP_HOST_ASSERT(then_notify->num_tokens_per_rank == counts, "notify after send_positions reads the counts it wrote");
+    }
     // A block per (destination, chunk of tokens), at least one chunk (its block writes the count, even of no tokens);
     // then range-check blocks, enough that each thread loads one batch of topk_idx (a grid-stride loop past the cap).
     constexpr int kMaxCheckBlocks = 1024;
@@ -901,49 +960,39 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
     const int64_t entries = topk_idx != nullptr ? static_cast<int64_t>(num_tokens) * num_topk : 0;
     const int64_t check_batches = ceil_div<int64_t>(entries, int64_t{kScanThreads} * kCheckEntries);
     const int check_blocks = static_cast<int>(std::min<int64_t>(kMaxCheckBlocks, check_batches));
-    send_positions_kernel<<<num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream>>>(
-        peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts, send_pos,
-        counts);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), send_positions_kernel, num_ranks * num_chunks + check_blocks, kScanThreads, 0, stream,
+                  peers, rank, num_ranks, num_chunks, is_token_in_rank, num_tokens, num_tokens_per_rank, topk_idx, num_topk, num_experts,
+                  send_pos, counts, then_notify != nullptr ? *then_notify : NotifyArgs{}, then_notify != nullptr);
 }
 
-void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-            int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset, int64_t block_bytes, int64_t block_rows,
-            int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix, int* rank_prefix_matrix, int* recv_per_expert,
-            ReceiverRegions* plan, int* go, CountReport* report, int report_tag, int64_t timeout_ns, cudaStream_t stream,
-            int* expert_table) {
-    EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
-    EP_HOST_ASSERT(num_experts <= kMaxExperts, "num_experts=", num_experts, " exceeds ", kMaxExperts);
-    EP_HOST_ASSERT(x_row_bytes < (1 << 24) && scale_row_bytes < (1 << 24) && num_topk < (1 << 16), "row shape ", x_row_bytes, "/",
-                   scale_row_bytes, "/", num_topk, " does not pack");
-    notify_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, num_tokens_per_rank, num_tokens_per_expert,
-                                                         num_experts, expert_alignment, pool_bytes, block_offset, block_bytes, block_rows,
-                                                         x_row_bytes,
-                                                         scale_row_bytes, num_topk, count_matrix, rank_prefix_matrix, recv_per_expert, plan,
-                                                         go, report, report_tag, timeout_ns, expert_table);
-    EP_CUDA_CHECK(cudaGetLastError());
+void notify(const NotifyArgs& args, cudaStream_t stream) {
+    check_notify_args(args);
+    launch_kernel(chained_launch_for(args.num_ranks), notify_kernel, 1, kNumThreadsPerBlock, 0, stream, args);
 }
 
 void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t timeout_ns, int stage, const Published* publish,
              cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_ranks <= kMaxRanks && num_ranks <= kNumThreadsPerBlock, "num_ranks=", num_ranks);
     static_assert(kNumPublished <= kNumThreadsPerBlock, "one thread per published field");
-    barrier_kernel<<<1, kNumThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, epoch, timeout_ns, stage,
-                                                          publish != nullptr ? *publish : Published{}, publish != nullptr,
-                                                          clear_input_error);
-    EP_CUDA_CHECK(cudaGetLastError());
+    // One rank meets no peer: a barrier that neither publishes nor clears the input error would only advance the epoch
+    // (which only barriers read), and stream order already does the rest.
+    if (num_ranks == 1 && publish == nullptr && !clear_input_error) return;
+    launch_kernel(chained_launch_for(num_ranks), barrier_kernel, 1, kNumThreadsPerBlock, 0, stream, peers, rank, num_ranks, epoch,
+                  timeout_ns, stage, publish != nullptr ? *publish : Published{}, publish != nullptr, clear_input_error);
 }
 
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales, int scale_row_bytes,
               const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts, const bool* is_token_in_rank,
               const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go, int num_tokens, int num_sms,
-              cudaStream_t stream) {
+              cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
-    if (num_tokens == 0) return;
-    dispatch_kernel<<<data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream>>>(
-        peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
-        topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens);
-    EP_CUDA_CHECK(cudaGetLastError());
+    EP_HOST_ASSERT(!clear_input_error || num_ranks == 1, "only one rank's dispatch kernel may clear the input error");
+    // No tokens: no kernel, so the input error is cleared by one block that copies nothing.
+    if (num_tokens == 0 && !clear_input_error) return;
+    launch_kernel(chained_launch_for(num_ranks), dispatch_kernel, data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream, peers,
+                  rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,
+                  topk_weights, num_topk, num_local_experts, is_token_in_rank, send_pos, count_matrix, plan, go, num_tokens,
+                  clear_input_error);
 }
 
 void copy_out(const char* data, const DispatchRegions& regions, const int* count_matrix, int rank, int num_ranks, int rows_out,
@@ -960,16 +1009,14 @@ void mark_padding(const int* count_matrix, int rank, int num_ranks, int rows_out
                   float* recv_topk_weights, int num_topk, cudaStream_t stream) {
     if (rows_out == 0) return;
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(rows_out, kNumThreadsPerBlock), kMaxFinishBlocks));
-    mark_padding_kernel<<<grid, kNumThreadsPerBlock, 0, stream>>>(count_matrix, rank, num_ranks, rows_out, recv_src_idx, recv_topk_idx,
-                                                                  recv_topk_weights, num_topk);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), mark_padding_kernel, grid, kNumThreadsPerBlock, 0, stream, count_matrix, rank, num_ranks,
+                  rows_out, recv_src_idx, recv_topk_idx, recv_topk_weights, num_topk);
 }
 
 void combine_send(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const float* topk_weights, int num_topk,
                   const int* count_matrix, int num_sms, cudaStream_t stream) {
-    combine_send_kernel<<<num_sms, kDataThreadsPerBlock, 0, stream>>>(peers, rank, num_ranks, static_cast<const char*>(x), x_row_bytes,
-                                                                      topk_weights, num_topk, count_matrix);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(num_ranks), combine_send_kernel, num_sms, kDataThreadsPerBlock, 0, stream, peers, rank, num_ranks,
+                  static_cast<const char*>(x), x_row_bytes, topk_weights, num_topk, count_matrix);
 }
 
 void combine_send_expert_major(const Peers& peers, int rank, int num_ranks, const void* y, int64_t num_rows, int hidden, FloatType type,
@@ -994,12 +1041,11 @@ void combine_reduce(const Peers& peers, const char* rows_x, const float* rows_we
     with_float_type(type, [&](auto element) {
         using T = decltype(element);
         EP_HOST_ASSERT(hidden % Vec<T>::kElems == 0, "hidden=", hidden);
-        combine_reduce_kernel<T><<<grid, kDataThreadsPerBlock, 0, stream>>>(
-            peers, rows_x, rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
-            send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out), out_weights,
-            num_topk);
+        launch_kernel(chained_launch_for(num_ranks), combine_reduce_kernel<T>, grid, kDataThreadsPerBlock, 0, stream, peers, rows_x,
+                      rows_weights, static_cast<const char*>(local_x), local_weights, rank, num_ranks, count_matrix, is_token_in_rank,
+                      send_pos, num_tokens, hidden, static_cast<const T*>(bias0), static_cast<const T*>(bias1), static_cast<T*>(out),
+                      out_weights, num_topk);
     });
-    EP_CUDA_CHECK(cudaGetLastError());
 }
 
 

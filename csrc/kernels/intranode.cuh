@@ -79,7 +79,9 @@ struct Published {
     int64_t value[kNumPublished];
 };
 constexpr size_t kPublishedOffset = (kInputErrorOffset + sizeof(InputError) + 63) / 64 * 64;
-static_assert(kPublishedOffset + sizeof(Published) <= kSignalBytes, "signal area too small");
+// Blocks of this rank's send_positions kernel that have finished (its last block runs notify and resets it).
+constexpr size_t kScanArrivalsOffset = kPublishedOffset + sizeof(Published);
+static_assert(kScanArrivalsOffset + sizeof(unsigned) <= kSignalBytes, "signal area too small");
 
 // Where a dispatch's outputs lie inside the receive block of `rows` rows: x | scales | top-k ids | top-k weights |
 // source indices, each region aligned. Host (carving the tensors) and device (senders addressing a receiver's
@@ -165,13 +167,36 @@ int64_t combine_bytes(int64_t rows, int x_row_bytes, int num_topk);
 int dispatch_capacity(int64_t data_bytes, int x_row_bytes, int scale_row_bytes, int num_topk);
 int combine_capacity(int64_t data_bytes, int x_row_bytes, int num_topk);
 
+// The arguments of notify (below), one struct so that send_positions can run notify in its last block.
+struct NotifyArgs {
+    Peers peers;
+    int rank, num_ranks;
+    int* epoch;
+    const int* num_tokens_per_rank;    // the counts send_positions wrote
+    const int* num_tokens_per_expert;  // null: no per-expert counts
+    int num_experts, expert_alignment;
+    int64_t pool_bytes, block_offset, block_bytes, block_rows;
+    int x_row_bytes, scale_row_bytes, num_topk;
+    int* count_matrix;
+    int* rank_prefix_matrix;
+    int* recv_per_expert;
+    ReceiverRegions* plan;
+    int* go;
+    CountReport* report;
+    int report_tag;
+    int64_t timeout_ns;
+    int* expert_table;  // null unless expert-major
+};
+
 // Send positions of a fresh dispatch, on the device (no torch scan, no host sync): send_pos[t][d] = tokens before t
 // that go to rank d; counts[d] = tokens that go to d. Also checks the contents the host cannot see without a sync:
 // topk_idx entries in [-1, num_experts) (topk_idx may be null) and num_tokens_per_rank == counts. The first error
-// goes to this rank's signal area, where notify publishes it to every rank.
+// goes to this rank's signal area, where notify publishes it to every rank. `then_notify` (or null): the last block of
+// the kernel to finish runs notify with these arguments (whose num_tokens_per_rank must be `counts`), which saves
+// notify's own launch.
 void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_token_in_rank, int num_tokens,
                     const int* num_tokens_per_rank, const int64_t* topk_idx, int num_topk, int num_experts, int* send_pos, int* counts,
-                    cudaStream_t stream);
+                    const NotifyArgs* then_notify, cudaStream_t stream);
 
 // The fresh dispatch's count exchange. Writes this rank's counts, its pool size and its receive block (offset, bytes,
 // fixed rows or -1, row shape) into its own signal area, waits for all ranks, reads everyone's counts:
@@ -187,11 +212,7 @@ void send_positions(const Peers& peers, int rank, int num_ranks, const bool* is_
 // [column totals E | slot bases E | this rank's received pairs per local expert L]: slot_base[g] = the expert-major row
 // at receiver g / L where this rank's first pair for global expert g goes (aligned base of the expert there + the pairs
 // of lower source ranks for it); the report also gets every receiver's M (expert_rows), so all ranks size alike.
-void notify(const Peers& peers, int rank, int num_ranks, int* epoch, const int* num_tokens_per_rank,
-            const int* num_tokens_per_expert, int num_experts, int expert_alignment, int64_t pool_bytes, int64_t block_offset,
-            int64_t block_bytes, int64_t block_rows, int x_row_bytes, int scale_row_bytes, int num_topk, int* count_matrix,
-            int* rank_prefix_matrix, int* recv_per_expert, ReceiverRegions* plan, int* go, CountReport* report, int report_tag,
-            int64_t timeout_ns, cudaStream_t stream, int* expert_table = nullptr);
+void notify(const NotifyArgs& args, cudaStream_t stream);
 
 // Ints of notify's expert_table.
 inline int64_t expert_table_ints(int num_experts, int num_local_experts) {
@@ -230,11 +251,12 @@ void barrier(const Peers& peers, int rank, int num_ranks, int* epoch, int64_t ti
 // Sender side: writes every (token, destination) pair straight into the destination's output regions at its final
 // row. The regions come from `plan` (notify's, on this device; nothing is written unless *go) or, with a null plan,
 // from the offsets each destination published at the barrier before. topk_idx/topk_weights may be null (then
-// nothing is written for them); scales may be null.
+// nothing is written for them); scales may be null. `clear_input_error` (one rank only, whose notify ran before this
+// kernel and was the error's only reader): the kernel clears the recorded input error, so no barrier need follow.
 void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_row_bytes, const void* scales,
               int scale_row_bytes, const int64_t* topk_idx, const float* topk_weights, int num_topk, int num_local_experts,
               const bool* is_token_in_rank, const int* send_pos, const int* count_matrix, const ReceiverRegions* plan, const int* go,
-              int num_tokens, int num_sms, cudaStream_t stream);
+              int num_tokens, int num_sms, cudaStream_t stream, bool clear_input_error = false);
 
 // Receiver side of a num_worst_tokens dispatch, after the data barrier: rows [num_recv, rows_out) get recv_src_idx = -1,
 // topk_idx = -1 and weight 0 (recv_x padding is left unspecified). topk outputs may be null.

@@ -12,6 +12,7 @@
 #include "kernels/common.cuh"
 #include "kernels/constants.h"
 #include "kernels/copy.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/sync.cuh"
 
 namespace ep::low_latency {
@@ -402,6 +403,8 @@ template <bool kUseFP8>
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
                        int num_topk, bool round_scale) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     extern __shared__ int plan_shared[];
     int* count = plan_shared;                                                              // [E]
     int* count_after = plan_shared + L.num_experts;                                        // [E]
@@ -467,6 +470,8 @@ template <bool kUseFP8, bool kUE8M0>
 __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
                                                                   int64_t* layout_range, int* recv_count, int* cumulative_stats,
                                                                   int64_t* wait_stats) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     extern __shared__ int prefix[];
     __shared__ unsigned long long epoch_shared;
     const int R = L.num_ranks, T = L.max_tokens, H = L.hidden, E_local = L.num_local_experts;
@@ -547,6 +552,8 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
 // Rewriting the send area waits for the acks of this half's previous use, which every source sends after its reduce.
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     extern __shared__ int prefix[];
     const int R = L.num_ranks, T = L.max_tokens, E_local = L.num_local_experts;
     int* begin = prefix;
@@ -612,6 +619,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
                                                                   const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
                                                                   int64_t* wait_stats) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     extern __shared__ int first_slot[];  // [E]: where this rank's range starts in the expert's outputs
     __shared__ const int4* entry_row[kWarps][kMaxTopk];  // each warp's current token: entry k's row, null: adds nothing
     __shared__ float entry_weight[kWarps][kMaxTopk];
@@ -754,45 +763,33 @@ void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t*
                    bool round_scale, int* send_slot, cudaStream_t stream) {
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
-    if (use_fp8)
-        send_tokens_kernel<true><<<blocks, kSmallThreads, plan_shared_bytes(L), stream>>>(L, h, xb, topk_idx, send_slot, num_tokens,
-                                                                                          num_topk, round_scale);
-    else
-        send_tokens_kernel<false><<<blocks, kSmallThreads, plan_shared_bytes(L), stream>>>(L, h, xb, topk_idx, send_slot, num_tokens,
-                                                                                           num_topk, round_scale);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(L.num_ranks), use_fp8 ? send_tokens_kernel<true> : send_tokens_kernel<false>, blocks, kSmallThreads,
+                  plan_shared_bytes(L), stream, L, h, xb, topk_idx, send_slot, num_tokens, num_topk, round_scale);
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
                    int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream) {
     const size_t shared = prefix_shared_bytes(L);
     const dim3 grid(receive_grid(L, h.max_blocks));
-    if (!use_fp8)
-        receive_tokens_kernel<false, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range,
-                                                                                recv_count, cumulative_stats, wait_stats);
-    else if (use_ue8m0)
-        receive_tokens_kernel<true, true><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                                               cumulative_stats, wait_stats);
-    else
-        receive_tokens_kernel<true, false><<<grid, kThreads, shared, stream>>>(L, h, recv_x, recv_scales, src_info, layout_range,
-                                                                               recv_count, cumulative_stats, wait_stats);
-    EP_CUDA_CHECK(cudaGetLastError());
+    const auto kernel = !use_fp8 ? receive_tokens_kernel<false, false> : use_ue8m0 ? receive_tokens_kernel<true, true>
+                                                                                   : receive_tokens_kernel<true, false>;
+    launch_kernel(chained_launch_for(L.num_ranks), kernel, grid, kThreads, shared, stream, L, h, recv_x, recv_scales, src_info, layout_range,
+                  recv_count, cumulative_stats, wait_stats);
 }
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range,
                   cudaStream_t stream) {
     // Zero copy with every peer addressable: no row moves, one block waits for the acks and flags the sources.
     const int blocks = x_is_staged && all_peers_direct ? 1 : combine_send_grid(L, h.max_blocks);
-    send_outputs_kernel<<<blocks, kSmallThreads, prefix_shared_bytes(L), stream>>>(
-        L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged, all_peers_direct, layout_range);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(L.num_ranks), send_outputs_kernel, blocks, kSmallThreads, prefix_shared_bytes(L), stream, L, h,
+                  static_cast<const __nv_bfloat16*>(x), x_is_staged, all_peers_direct, layout_range);
 }
 
 void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
                   int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream) {
-    reduce_outputs_kernel<<<reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads, L.num_experts * sizeof(int), stream>>>(
-        L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), wait_stats);
-    EP_CUDA_CHECK(cudaGetLastError());
+    launch_kernel(chained_launch_for(L.num_ranks), reduce_outputs_kernel, reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads,
+                  L.num_experts * sizeof(int), stream, L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk,
+                  static_cast<__nv_bfloat16*>(out), wait_stats);
 }
 
 int widest_grid_blocks(const Layout& L, int max_blocks, int num_tokens) {

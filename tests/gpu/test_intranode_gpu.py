@@ -128,7 +128,7 @@ def _compare_worker(rank: int, world: int, seeds) -> int:
     return len(seeds)
 
 
-# One rank too (loopback: every peer write lands in the rank's own buffer).
+# One rank too: loopback, and its kernels are launched chained (csrc/kernels/launch.cuh), which only one rank does.
 @pytest.mark.parametrize("world", sorted({1, *WORLDS}))
 def test_intranode_matches_reference(world: int) -> None:
     seeds = [9000 + world * 10 + i for i in range(4)]

@@ -215,7 +215,7 @@ def _raise(results) -> None:
     assert not errors, "\n".join(errors[:20])
 
 
-# One rank too (loopback: every peer write lands in the rank's own buffer).
+# One rank too: loopback, and its kernels are launched chained (csrc/kernels/launch.cuh), which only one rank does.
 @pytest.mark.parametrize("world", sorted({1, *WORLDS}))
 def test_low_latency_matches_reference(world):
     _raise(run(_compare_worker, world, SEEDS, True))
