@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
+# The build phase uses an extension carried from the workstation when it matches (tests/gpu/prebuild_extension.sh).
 # Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
 #   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
 #   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
@@ -19,6 +20,22 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 PHASES=${*:-build tests ll bench internode internode_bench timeout}
+# NVSHMEM's host library, for an extension built on the workstation (tests/gpu/prebuild_extension.sh: its rpath points
+# at the workstation's wheel).
+nvlib=$(python3 -c 'import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], "lib"))' 2>/dev/null) &&
+    export LD_LIBRARY_PATH="$nvlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Whether the carried extension (prebuild_extension.sh) was built for this machine's torch and NVSHMEM, and imports.
+prebuilt_matches() {
+    [ -f ep_dispatcher/_C.prebuilt.txt ] || return 1
+    local here
+    here=$(python3 2>/dev/null <<'EOF'
+import importlib.metadata as m
+import torch
+print(f"torch={torch.__version__} nvshmem={m.version('nvidia-nvshmem-cu13')}")
+EOF
+) || return 1
+    [ "$here" = "$(cat ep_dispatcher/_C.prebuilt.txt)" ] && python3 -c 'import ep_dispatcher._C' 2>/dev/null
+}
 # Packages carried from the workstation (tests/gpu/prepare_carry.sh: megatron-core for the Megatron step benchmark).
 [ -d .device_carry/site ] && export PYTHONPATH="$PWD/.device_carry/site${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -113,8 +130,13 @@ for phase in $PHASES; do
     build)
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
         python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpu.txt"
-        python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-        grep "ep_dispatcher setup" "$OUT/build.log"
+        if prebuilt_matches; then
+            echo "prebuilt extension ($(cat ep_dispatcher/_C.prebuilt.txt)): no build"
+        else
+            rm -f ep_dispatcher/_C.prebuilt.txt
+            python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+            grep "ep_dispatcher setup" "$OUT/build.log"
+        fi
         python3 -c 'import ep_dispatcher._C as C; print("nvshmem", C.has_nvshmem(), C.cuda_arch_list())'
         ;;
     tests)
