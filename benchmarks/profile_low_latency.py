@@ -6,6 +6,10 @@ Shape as bench_low_latency.py (hidden 7168, top-8 of 256, FP8 dispatch, BF16 com
 span per pair on each rank, the median duration of each kernel (rank 0, then every rank), and the last pair's
 kernels on rank 0 as (name, start µs, duration µs): the gaps between kernels are launch cost, the durations the work
 and the waits inside each kernel.
+
+``--phase-trace``: the kernels also stamp the GPU's global timer at each phase of each block (plan, peer waits, rows
+moved, arrival, signals; ``csrc/kernels/low_latency.cuh``, TracePoint), and the last pair's stamps are printed per
+kernel (median and slowest block of each phase) and for every rank on the GPU's one clock.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ep_dispatcher import _C  # noqa: E402
 from ep_dispatcher.launch import spawn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +33,8 @@ from bench_low_latency import _routing, rank_setup, shape_parser  # noqa: E402
 
 PAIRS_PER_GRAPH = 4
 PROFILED_REPLAYS = 4
+TRACE_KERNELS = ("send", "receive", "combine send", "reduce")
+TRACE_PHASES = ("plan or acks", "peer wait", "rows", "arrival", "signals")  # between consecutive TracePoints
 
 
 def short_kernel_name(name: str) -> str:
@@ -44,9 +51,33 @@ def short_kernel_name(name: str) -> str:
     return found[-1] if found else name[:48]
 
 
+def _phase_summary(stamps: torch.Tensor) -> Dict:
+    """One kernel's stamps [blocks, points] (ns, 0: not reached) -> its span on the global clock and, per phase, the
+    median and slowest block (µs)."""
+    started = stamps[stamps[:, 0] > 0]
+    if started.numel() == 0:
+        return {}
+    phases = {}
+    for p, name in enumerate(TRACE_PHASES, start=1):
+        reached = started[started[:, p] > 0]
+        if reached.numel():
+            d = (reached[:, p] - reached[:, p - 1]).double() / 1e3
+            phases[name] = (float(d.median()), float(d.max()), int(reached.size(0)))
+    return {
+        "start_ns": int(started[:, 0].min()),
+        "end_ns": int(started.max()),
+        "blocks": int(started.size(0)),
+        "phases": phases,
+    }
+
+
 def _rank_main(rank: int, world: int, args) -> List[Dict]:
     device, sweep, buffer = rank_setup(rank, world, args, timeout_s=30)
     hidden, experts, topk = args.hidden, args.experts, args.topk
+    trace = None
+    if args.phase_trace:  # set before any capture: a graph keeps the kernels' arguments
+        trace = torch.zeros(_C.low_latency_trace_shape, dtype=torch.int64, device=device)
+        buffer._backend.ll.set_phase_trace(trace)
     rows = {}
     for tokens in sweep:
         x, topk_idx, topk_weights = _routing(rank, tokens, hidden, experts, topk, device)
@@ -84,8 +115,16 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
         durations: Dict[str, List[float]] = {}
         for name, _, duration in timeline:
             durations.setdefault(name, []).append(duration)
+        phases = []
+        if trace is not None:  # the graph's last pair: zeroed, one more replay
+            trace.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            stamps = trace.cpu()
+            phases = [_phase_summary(stamps[k]) for k in range(len(TRACE_KERNELS))]
         pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
         rows[tokens] = dict(
+            phases=phases,
             span_per_pair=(kernels[-1].time_range.end - t0) / pairs if kernels else 0.0,
             median={name: statistics.median(d) for name, d in durations.items()},
             last_pair=timeline[-len(timeline) // pairs :] if timeline else [],
@@ -117,8 +156,30 @@ def _print_cross_rank(per_rank: List, tokens: int) -> None:
         print(f"     rank {rank}: {cells}")
 
 
+def _print_phases(per_rank: List, tokens: int) -> None:
+    """The phase stamps of the last pair: each kernel's span on every rank (the GPU's global timer, which every rank
+    on the GPU shares), and rank 0's phases (median / slowest block)."""
+    if not per_rank[0][tokens]["phases"]:
+        return
+    origin = min(k["start_ns"] for r in per_rank for k in r[tokens]["phases"] if k)
+    print("   phase trace, last pair: each kernel's first start - last stamp, µs from the earliest (global timer):")
+    for rank, r in enumerate(per_rank):
+        cells = "  ".join(
+            f"{name} {(k['start_ns'] - origin) / 1e3:.1f}-{(k['end_ns'] - origin) / 1e3:.1f}"
+            for name, k in zip(TRACE_KERNELS, r[tokens]["phases"])
+            if k
+        )
+        print(f"     rank {rank}: {cells}")
+    print("   rank 0 phases, µs (median / slowest block, blocks that reached it):")
+    for name, k in zip(TRACE_KERNELS, per_rank[0][tokens]["phases"]):
+        if k:
+            cells = "  ".join(f"{p} {m:.1f}/{mx:.1f} ({n})" for p, (m, mx, n) in k["phases"].items())
+            print(f"     {name:12s} {k['blocks']:4d} blocks: {cells}")
+
+
 def main(argv=None) -> int:
     parser = shape_parser(__doc__, "1,128")
+    parser.add_argument("--phase-trace", action="store_true", help="stamp and print each kernel's phases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -133,6 +194,7 @@ def main(argv=None) -> int:
         for name, start, duration in per_rank[0][tokens]["last_pair"]:
             print(f"     {name:48s} {start:9.1f} {duration:7.1f}")
         _print_cross_rank(per_rank, tokens)
+        _print_phases(per_rank, tokens)
     return 0
 
 

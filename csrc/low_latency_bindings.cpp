@@ -74,7 +74,8 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
         TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
         return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_,
-                                 max_blocks_, state_, timeout_ns_, error_device_};
+                                 max_blocks_, state_, timeout_ns_, error_device_,
+                                 phase_trace_.defined() ? reinterpret_cast<unsigned long long*>(phase_trace_.data_ptr<int64_t>()) : nullptr};
     }
 
     // Launches the send phase of a dispatch and allocates everything the call returns, so that an eager call makes one
@@ -200,6 +201,18 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
         return py::make_tuple(code, token, k, value);
     }
 
+    // Profiling (benchmarks/profile_low_latency.py --phase-trace): the kernels launched from now on stamp their phases into
+    // `trace` (int64 [kTraceKernels, kTraceBlocks, kTracePoints], global timer ns, see low_latency.cuh); None stops it.
+    void set_phase_trace(const OptTensor& trace) {
+        if (trace) {
+            check(*trace, "trace");
+            TORCH_CHECK_VALUE(trace->scalar_type() == at::kLong && trace->is_contiguous() && trace->numel() == low_latency::kTraceInts,
+                              "trace: expected a contiguous int64 tensor of ", low_latency::kTraceInts, " elements, got ",
+                              trace->scalar_type(), " ", trace->sizes());
+        }
+        phase_trace_ = trace ? *trace : at::Tensor();
+    }
+
     // The widest grid of a dispatch or combine of `num_tokens` tokens, in 512-thread block equivalents.
     int grid_blocks(int64_t num_tokens, int64_t max_tokens, int64_t num_experts, int64_t hidden) const {
         return low_latency::widest_grid_blocks(layout(max_tokens, num_experts, hidden), max_blocks_, static_cast<int>(num_tokens));
@@ -250,6 +263,7 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
     low_latency::State* state_ = nullptr;
     volatile unsigned long long* error_host_ = nullptr;  // written by the kernels (one 8-byte store per record)
     unsigned long long* error_device_ = nullptr;
+    at::Tensor phase_trace_;  // undefined: no phase stamps (set_phase_trace)
 };
 
 // The layout as Python sees it: a type of this file's anonymous namespace, so that its pybind11 class has the
@@ -259,6 +273,9 @@ struct LowLatencyLayout : low_latency::Layout {};
 }  // namespace
 
 void register_low_latency(py::module_& m) {
+    // The shape of a phase-trace tensor (LowLatencyBuffer.set_phase_trace): (kernels, blocks, points).
+    m.attr("low_latency_trace_shape") = py::make_tuple(static_cast<int>(low_latency::kTraceKernels), low_latency::kTraceBlocks,
+                                                       static_cast<int>(low_latency::kTracePoints));
     py::class_<LowLatencyReceive>(m, "LowLatencyReceive", "The receive phase of one low-latency call (call it once).")
         .def("__call__", &LowLatencyReceive::operator(), py::call_guard<py::gil_scoped_release>());
     // Held by shared_ptr: a pending receive (LowLatencyReceive) keeps the buffer alive.
@@ -277,6 +294,7 @@ void register_low_latency(py::module_& m) {
         .def("combine_buffer", &LowLatencyBuffer::combine_buffer, py::arg("half_index"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"))
         .def("take_error", &LowLatencyBuffer::take_error)
+        .def("set_phase_trace", &LowLatencyBuffer::set_phase_trace, py::arg("trace"))
         .def("grid_blocks", &LowLatencyBuffer::grid_blocks, py::arg("num_tokens"), py::arg("max_tokens"), py::arg("num_experts"),
              py::arg("hidden"))
         .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())

@@ -130,3 +130,26 @@ def test_bench_megatron_step_flex_deepep_row_needs_real_deep_ep(tmp_path):
     assert done.returncode != 0
     assert "could not import deep_ep" in done.stdout + done.stderr
     assert not (tmp_path / "raw.json").exists()
+
+
+def test_profile_low_latency_phase_summary():
+    """The phase trace's summary (profile_low_latency.py --phase-trace): per phase the median and the slowest block
+    over the blocks that reached it; blocks that never started are left out."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        profile = pytest.importorskip("profile_low_latency")
+    finally:
+        sys.path.pop(0)
+    stamps = torch.zeros(3, 6, dtype=torch.int64)  # ns; the third block never started
+    stamps[0] = torch.tensor([1000, 3000, 4000, 10000, 11000, 0])  # not the last block: no signals
+    stamps[1] = torch.tensor([2000, 3000, 9000, 12000, 14000, 20000])
+    summary = profile._phase_summary(stamps)
+    assert (summary["start_ns"], summary["end_ns"], summary["blocks"]) == (1000, 20000, 2)
+    phases = summary["phases"]
+    assert phases["plan or acks"] == (1.0, 2.0, 2)  # torch's median of an even count is the lower middle
+    assert phases["peer wait"] == (1.0, 6.0, 2)
+    assert phases["rows"] == (3.0, 6.0, 2)
+    assert phases["arrival"] == (1.0, 2.0, 2)
+    assert phases["signals"] == (6.0, 6.0, 1)
+    assert profile._phase_summary(torch.zeros(2, 6, dtype=torch.int64)) == {}

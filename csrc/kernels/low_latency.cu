@@ -108,6 +108,12 @@ __device__ __forceinline__ uint64_t* combine_signals(const Layout& L, const Half
 }
 __device__ __forceinline__ uint64_t* acks(const Layout& L, const Half& h) { return reinterpret_cast<uint64_t*>(h.local + L.ack_offset()); }
 
+// A profiling stamp (Half::phase_trace, off when null): thread 0 records the global timer at `point` of `kernel`.
+__device__ __forceinline__ void trace_phase(const Half& h, TraceKernel kernel, TracePoint point) {
+    if (h.phase_trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks)
+        h.phase_trace[(int64_t(kernel) * kTraceBlocks + blockIdx.x) * kTracePoints + point] = sync::global_timer_ns();
+}
+
 // Run by a whole block before it writes into peers' halves: every peer has read this half's previous use (epoch - 1).
 // Every sender writes (at least a signal) to every peer, so every block waits for every ack; after the first block
 // the waits find them set.
@@ -140,13 +146,17 @@ __device__ __forceinline__ bool arrive_last(unsigned int* counter) {
 
 // End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
 // has read the half.
-__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch) {
-    if (!arrive_last(&h.state->arrived[h.half])) return;
+__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch, TraceKernel kernel) {
+    trace_phase(h, kernel, kTraceMoved);
+    const bool last = arrive_last(&h.state->arrived[h.half]);
+    trace_phase(h, kernel, kTraceArrived);
+    if (!last) return;
     if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
     for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
         signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
+    trace_phase(h, kernel, kTraceSignaled);
 }
 
 // A bad topk_idx entry: skipped by the kernels, reported to the host as one record (later reports overwrite earlier
@@ -409,6 +419,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     int* count = plan_shared;                                                              // [E]
     int* count_after = plan_shared + L.num_experts;                                        // [E]
     unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + 2 * L.num_experts);  // [E]
+    trace_phase(h, kTraceSend, kTraceStart);
     const int H = L.hidden;
     const int steps = ceil_div(H, kStepChannels);
     const int64_t items = static_cast<int64_t>(num_tokens) * steps;
@@ -417,8 +428,10 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int token_end = item_end > item_begin ? static_cast<int>((item_end - 1) / steps) + 1 : token_begin;
     // The plan needs nothing from the peers: it runs before the wait for their acks.
     plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits);
+    trace_phase(h, kTraceSend, kTracePrepared);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
+    trace_phase(h, kTraceSend, kTraceWaited);
     const int lane = threadIdx.x % kWarpSize;
     [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
     for (int64_t base = item_begin + threadIdx.x / kWarpSize; base < item_end; base += kSmallWarps * kSendBatch) {
@@ -454,13 +467,17 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
-    if (!arrive_last(&h.state->send_arrived[h.half])) return;
+    trace_phase(h, kTraceSend, kTraceMoved);
+    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    trace_phase(h, kTraceSend, kTraceArrived);
+    if (!last) return;
     for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
         const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
         signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
                     make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
         quiet_puts(h, pe);
     }
+    trace_phase(h, kTraceSend, kTraceSignaled);
 }
 
 // Every block waits for all counts and builds the prefixes; then a warp per received message (all experts' messages
@@ -480,6 +497,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     int* start = prefix + E_local * (R + 1);
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
+    trace_phase(h, kTraceReceive, kTraceStart);
     const unsigned long long epoch = epoch_shared;
     // Every block waits for every count; block 0's waits are the ones recorded: one per (local expert, source rank), as
     // DeepEP adds one per (expert, source) it waits for.
@@ -488,6 +506,8 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
                                              h.rank * E_local + pair / R, wait_stats, blockIdx.x == 0);
         return static_cast<int>(v & 0xffffffffu);
     });
+    trace_phase(h, kTraceReceive, kTracePrepared);
+    trace_phase(h, kTraceReceive, kTraceWaited);
     if (blockIdx.x == 0) {
         for (int le = threadIdx.x; le < E_local; le += blockDim.x) {
             const int total = begin[le * (R + 1) + R];
@@ -538,7 +558,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
             }
         }
     }
-    finish_receive(L, h, epoch);
+    finish_receive(L, h, epoch, kTraceReceive);
 }
 
 // ------------------------------------------------------------------ combine
@@ -558,10 +578,13 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const int R = L.num_ranks, T = L.max_tokens, E_local = L.num_local_experts;
     int* begin = prefix;
     int* start = prefix + E_local * (R + 1);
+    trace_phase(h, kTraceCombineSend, kTraceStart);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyCombineSend);
+    trace_phase(h, kTraceCombineSend, kTracePrepared);
     // The ranges are the exclusive prefixes of their counts (the receive kernel wrote them so).
     build_prefixes(L, begin, start, [&](int pair) { return static_cast<int>(layout_range[pair] & 0xffffffff); });
+    trace_phase(h, kTraceCombineSend, kTraceWaited);
     const int lane = threadIdx.x % kWarpSize;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
     const int64_t num_slots = static_cast<int64_t>(R) * T;
@@ -599,13 +622,17 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
-    if (!arrive_last(&h.state->send_arrived[h.half])) return;
+    trace_phase(h, kTraceCombineSend, kTraceMoved);
+    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    trace_phase(h, kTraceCombineSend, kTraceArrived);
+    if (!last) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
         const int pe = pair % R, local_expert = pair / R;
         const int first = begin[local_expert * (R + 1) + pe];
         signal_peer(h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
         quiet_puts(h, pe);
     }
+    trace_phase(h, kTraceCombineSend, kTraceSignaled);
 }
 
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, BF16 out.
@@ -627,6 +654,7 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
     __shared__ unsigned long long epoch_shared;
     if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
     __syncthreads();
+    trace_phase(h, kTraceReduce, kTraceStart);
     const unsigned long long epoch = epoch_shared;
     const int E_local = L.num_local_experts;
     // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
@@ -635,6 +663,8 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
                                                            e / E_local, e, wait_stats, blockIdx.x == 0) &
                                          0xffffffffu);
     __syncthreads();
+    trace_phase(h, kTraceReduce, kTracePrepared);
+    trace_phase(h, kTraceReduce, kTraceWaited);
     const int chunks = L.hidden / 8;
     const int64_t row_bytes = 2 * static_cast<int64_t>(L.hidden);
     const int64_t num_slots = static_cast<int64_t>(L.num_ranks) * L.max_tokens;
@@ -707,7 +737,7 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
         }
         __syncwarp();  // the entries are read before this warp's next token overwrites them
     }
-    finish_receive(L, h, epoch);
+    finish_receive(L, h, epoch, kTraceReduce);
 }
 
 // ------------------------------------------------------------------ grids

@@ -96,7 +96,25 @@ struct Half {
     State* state;
     int64_t timeout_ns;
     unsigned long long* error;  // device address of the host-mapped error record
+    // Phase timestamps for profiling (null: off; profile_low_latency.py --phase-trace): thread 0 of each block writes
+    // the global timer (ns) at each point of its kernel, [kernel][block][point] (see TracePoint); blocks past
+    // kTraceBlocks are not traced. Each call overwrites the previous call's stamps of the same kernel.
+    unsigned long long* phase_trace;
 };
+
+// The traced kernels and their points, in order (a block that is not the last to arrive ends at kArrived).
+enum TraceKernel : int { kTraceSend = 0, kTraceReceive = 1, kTraceCombineSend = 2, kTraceReduce = 3, kTraceKernels = 4 };
+enum TracePoint : int {
+    kTraceStart = 0,    // after the wait for the kernel ahead
+    kTracePrepared = 1, // send: the plan; combine send: the acks; receive / reduce: every count or flag seen
+    kTraceWaited = 2,   // send: the acks; combine send: the prefixes; receive / reduce: = kTracePrepared
+    kTraceMoved = 3,    // the block's rows moved (or summed)
+    kTraceArrived = 4,  // past the block's arrival (fence + counter)
+    kTraceSignaled = 5, // the last block: every signal or ack sent
+    kTracePoints = 6
+};
+constexpr int kTraceBlocks = 1024;
+constexpr int64_t kTraceInts = int64_t(kTraceKernels) * kTraceBlocks * kTracePoints;
 
 // `send_slot`: int32 [num_tokens * num_topk]: each entry's slot at its expert (-1: skipped), which the combine reads.
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
