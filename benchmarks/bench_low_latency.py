@@ -163,13 +163,15 @@ def host_share(graph_us: float, eager_us: float) -> float:
     return max(0.0, 1 - graph_us / eager_us) if eager_us > 0 else 0.0
 
 
-def rank_setup(rank: int, world: int, args, **buffer_kwargs):
-    """This rank's device, the token counts of ``args.sweep`` and a CUDA low-latency Buffer sized for the largest."""
+def rank_setup(rank: int, world: int, args, max_tokens: int = 0, **buffer_kwargs):
+    """This rank's device, the token counts of ``args.sweep`` and a CUDA low-latency Buffer sized for the largest (or
+    for ``max_tokens`` per rank, if larger)."""
     use_nvshmem_on_one_machine()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     sweep = [int(t) for t in args.sweep.split(",")]
-    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, args.hidden, world, args.experts) for t in sweep)
+    sizes = [*sweep, max_tokens]
+    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, args.hidden, world, args.experts) for t in sizes)
     buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", **buffer_kwargs)
     return device, sweep, buffer
 

@@ -7,6 +7,9 @@ span per pair on each rank, the median duration of each kernel (rank 0, then eve
 kernels on rank 0 as (name, start µs, duration µs): the gaps between kernels are launch cost, the durations the work
 and the waits inside each kernel.
 
+``--max-tokens N``: the calls reserve N tokens per rank (the receive slots' stride) whatever the token count, to see
+whether the spread of the writes costs time.
+
 ``--phase-trace``: the kernels also stamp the GPU's global timer at each phase of each block (plan, peer waits, rows
 moved, arrival, signals; ``csrc/kernels/low_latency.cuh``, TracePoint), and the last pair's stamps are printed per
 kernel (median and slowest block of each phase) and for every rank on the GPU's one clock.
@@ -72,7 +75,7 @@ def _phase_summary(stamps: torch.Tensor) -> Dict:
 
 
 def _rank_main(rank: int, world: int, args) -> List[Dict]:
-    device, sweep, buffer = rank_setup(rank, world, args, timeout_s=30)
+    device, sweep, buffer = rank_setup(rank, world, args, max_tokens=args.max_tokens, timeout_s=30)
     hidden, experts, topk = args.hidden, args.experts, args.topk
     trace = None
     if args.phase_trace:  # set before any capture: a graph keeps the kernels' arguments
@@ -83,7 +86,7 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
         x, topk_idx, topk_weights = _routing(rank, tokens, hidden, experts, topk, device)
 
         def pair():
-            handle = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True)[2]
+            handle = buffer.low_latency_dispatch(x, topk_idx, max(tokens, args.max_tokens), experts, use_fp8=True)[2]
             y = buffer.get_next_low_latency_combine_buffer(handle)
             buffer.low_latency_combine(y, topk_idx, topk_weights, handle, zero_copy=True)
 
@@ -180,13 +183,21 @@ def _print_phases(per_rank: List, tokens: int) -> None:
 def main(argv=None) -> int:
     parser = shape_parser(__doc__, "1,128")
     parser.add_argument("--phase-trace", action="store_true", help="stamp and print each kernel's phases")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="num_max_dispatch_tokens_per_rank when larger than the token count: it sets the receive slots' stride, "
+        "so the same tokens' writes spread over more memory",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     per_rank = spawn(_rank_main, args.ranks, args, backend="gloo")[0]
     for tokens in per_rank[0]:
         spans = [round(r[tokens]["span_per_pair"], 1) for r in per_rank]
-        print(f"== {args.ranks} ranks, {tokens} tokens: span per pair on each rank (µs): {spans}")
+        reserved = f" ({args.max_tokens} reserved)" if args.max_tokens > tokens else ""
+        print(f"== {args.ranks} ranks, {tokens} tokens{reserved}: span per pair on each rank (µs): {spans}")
         for name, duration in per_rank[0][tokens]["median"].items():
             everyone = [round(r[tokens]["median"].get(name, 0.0), 1) for r in per_rank]
             print(f"   {name:48s} median {duration:7.1f} µs on rank 0; every rank: {everyone}")
