@@ -5,6 +5,7 @@
 # Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
 #   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
 #   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
+#   ll_phases (issue 19) prints the low-latency kernels' phases at 8 ranks x 128 tokens, then with 4x the slot stride;
 #   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin;
 #   megatron_rows (issue 21) times rows (a) our plugin, (b) Megatron's flex dispatcher on REAL DeepEP v1.2.1 (built
 #   in .deepep/DeepEP if needed: carry .deepep) and (c) the flex dispatcher on the switch, at 2 and 4 ranks.
@@ -64,6 +65,12 @@ gpu_tests() {
 }
 
 # The benchmarks, one function each (phase names ll_bench ... internode_bench; "bench" runs the first four).
+# Issue 19: where the 8-rank pair goes, phase by phase (every block's global-timer stamps), and the same with the
+# receive slots spread over 4x the memory (--max-tokens): if the send slows, the spread of its writes is a cost.
+ll_phases() {
+    bench 90 benchmarks/profile_low_latency.py --ranks 8 --sweep 128 --phase-trace
+    bench 90 benchmarks/profile_low_latency.py --ranks 8 --sweep 128 --phase-trace --max-tokens 512
+}
 ll_bench() {  # EP_LL_RANKS="1 8": also one rank alone (no peers, no MPS sharing) to separate kernel cost from skew
     for r in ${EP_LL_RANKS:-8}; do
         bench 150 benchmarks/bench_low_latency.py --ranks "$r" --sweep ${EP_LL_SWEEP:-1,32,128,256} --out "$OUT/bench_ll_$r.json"
@@ -153,7 +160,7 @@ for phase in $PHASES; do
         bash tests/gpu/deepep_tests/run_deepep_tests.sh || rc=1
         ;;
     bench) for sub in ll_bench intranode_bench dbo_bench megatron_bench; do "$sub"; done ;;
-    ll_bench|intranode_bench|dbo_bench|megatron_bench|internode_bench|megatron_flex|megatron_rows) "$phase" ;;
+    ll_bench|ll_phases|intranode_bench|dbo_bench|megatron_bench|internode_bench|megatron_flex|megatron_rows) "$phase" ;;
     internode)
         # Internode engine (NVSHMEM) on virtual nodes of one GPU.
         gpu_tests internode_tests.log "${EP_INTERNODE_TIMEOUT:-420}" tests/gpu/test_internode_gpu.py
