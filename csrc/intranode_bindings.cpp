@@ -414,10 +414,12 @@ ExpertMajorOutputs dispatch_expert_major_fresh(IpcBuffer& buffer, const at::Tens
                                 pairs.data_ptr<int>(), expert_counts.data_ptr<int>(), stream);
     const int tag = buffer.next_report_tag();
     RecvPool& pool = buffer.pool();
+    // No block, plan or go: the block is taken once the host has the counts (below).
     intranode::notify({buffer.peers(), rank, R, buffer.epoch(), counts.data_ptr<int>(), expert_counts.data_ptr<int>(), E,
-                       static_cast<int>(expert_alignment), pool.capacity(), -1, 0, -1, x_row, scale_row, num_topk,
-                       count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(), per_expert.data_ptr<int>(), nullptr, nullptr,
-                       buffer.report_on_device(), tag, timeout_ns, expert_table.data_ptr<int>()},
+                       static_cast<int>(expert_alignment), pool.capacity(), /*block_offset=*/-1, /*block_bytes=*/0,
+                       /*block_rows=*/-1, x_row, scale_row, num_topk, count_matrix.data_ptr<int>(), rank_prefix_matrix.data_ptr<int>(),
+                       per_expert.data_ptr<int>(), /*plan=*/nullptr, /*go=*/nullptr, buffer.report_on_device(), tag, timeout_ns,
+                       expert_table.data_ptr<int>()},
                       stream);
     wait_for_report(buffer, tag, stream, timeout_ns);
     const intranode::CountReport& report = *buffer.report();

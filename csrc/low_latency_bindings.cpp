@@ -73,9 +73,9 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
     low_latency::Half half(int64_t index, const low_latency::Layout& L) const {
         TORCH_CHECK(base_ != nullptr, "low-latency buffer was destroyed");
         TORCH_CHECK_VALUE(index == 0 || index == 1, "half: expected 0 or 1, got ", index);
+        auto* trace = phase_trace_.defined() ? reinterpret_cast<unsigned long long*>(phase_trace_.data_ptr<int64_t>()) : nullptr;
         return low_latency::Half{base_ + index * L.half_bytes, peer_base_, index * L.half_bytes, static_cast<int>(index), rank_,
-                                 max_blocks_, state_, timeout_ns_, error_device_,
-                                 phase_trace_.defined() ? reinterpret_cast<unsigned long long*>(phase_trace_.data_ptr<int64_t>()) : nullptr};
+                                 max_blocks_, state_, timeout_ns_, error_device_, trace};
     }
 
     // Launches the send phase of a dispatch and allocates everything the call returns, so that an eager call makes one

@@ -190,34 +190,22 @@ __global__ void __launch_bounds__(kScanThreads)
             if (i + kCheckEntries <= entries) {
                 const auto* v = reinterpret_cast<const longlong2*>(topk_idx + i);
                 longlong2 pairs[kCheckEntries / 2];
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < kCheckEntries / 2; ++j) pairs[j] = __ldg(v + j);
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < kCheckEntries / 2; ++j) expert[2 * j] = pairs[j].x, expert[2 * j + 1] = pairs[j].y;
             } else {
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < kCheckEntries; ++j) expert[j] = i + j < entries ? topk_idx[i + j] : -1;
             }
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < kCheckEntries; ++j) check(i + j, expert[j]);
         }
     }
     if (!notify_after) return;
-    // The last block to finish runs notify: every block's counts and input error are visible to it (each block's
-    // thread 0 fences before it arrives, and the last one fences after seeing all arrivals).
-    __shared__ bool is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        auto* arrivals = reinterpret_cast<unsigned*>(peers.base[rank] + kScanArrivalsOffset);
-        __threadfence();
-        is_last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
-        if (is_last) {
-            *arrivals = 0;  // for the next call (stream order: it starts after this kernel)
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    if (is_last) notify_block(then_notify);
+    // The last block to finish runs notify, with every block's counts and input error visible to it (GPU scope: notify
+    // reads them on this GPU, and its own barrier orders what peers see).
+    if (sync::arrive_last<false>(reinterpret_cast<unsigned*>(peers.base[rank] + kScanArrivalsOffset))) notify_block(then_notify);
 }
 
 // Packs a row shape for the signal area (row bytes < 2^24, top-k < 2^16: far beyond any real shape).
@@ -987,7 +975,7 @@ void dispatch(const Peers& peers, int rank, int num_ranks, const void* x, int x_
               cudaStream_t stream, bool clear_input_error) {
     EP_HOST_ASSERT(num_topk <= kMaxTopk && num_topk <= kWarpSize, "num_topk=", num_topk);
     EP_HOST_ASSERT(!clear_input_error || num_ranks == 1, "only one rank's dispatch kernel may clear the input error");
-    // No tokens: no kernel, so the input error is cleared by one block that copies nothing.
+    // No tokens: no kernel, unless the input error must be cleared (then one block clears it and copies nothing).
     if (num_tokens == 0 && !clear_input_error) return;
     launch_kernel(chained_launch_for(num_ranks), dispatch_kernel, data_grid(num_sms, num_tokens), kDataThreadsPerBlock, 0, stream, peers,
                   rank, num_ranks, static_cast<const char*>(x), x_row_bytes, static_cast<const char*>(scales), scale_row_bytes, topk_idx,

@@ -42,7 +42,8 @@ inline bool chained_launch_for(int num_ranks) {
 
 // kernel<<<grid, block, shared, stream>>>(args...), chained to the kernel ahead when `chained`; checks the launch.
 template <typename... Params, typename... Args>
-void launch_kernel(bool chained, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared, cudaStream_t stream, const Args&... args) {
+void launch_kernel(bool chained, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared, cudaStream_t stream,
+                   const Args&... args) {
     cudaLaunchAttribute attribute{};
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;

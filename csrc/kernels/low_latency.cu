@@ -123,26 +123,8 @@ __device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, un
     __syncthreads();  // the acquiring threads' view passes to the whole block
 }
 
-// Called by every thread of every block at the end of its work: true in the last block to arrive. The barrier puts
-// the block's writes (peer stores included) before thread 0's release fence and arrival; the last block's thread 0
-// acquires every arrival, and its barrier passes that on, so all blocks' writes are ordered before whatever the last
-// block writes next (its signals: release stores). One acq_rel fence per block on each side, as a grid barrier does:
-// a system-scope fence in every thread cost microseconds per kernel. The counter is reset for the next kernel of
-// this half.
-__device__ __forceinline__ bool arrive_last(unsigned int* counter) {
-    __shared__ bool is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        sync::fence_acq_rel_sys();
-        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-        if (is_last) {
-            *counter = 0;
-            sync::fence_acq_rel_sys();
-        }
-    }
-    __syncthreads();
-    return is_last;
-}
+// The last block to finish a kernel signals peers (release stores), so the arrival orders at system scope.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter) { return sync::arrive_last<true>(counter); }
 
 // End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
 // has read the half.
@@ -803,8 +785,8 @@ void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0,
     const dim3 grid(receive_grid(L, h.max_blocks));
     const auto kernel = !use_fp8 ? receive_tokens_kernel<false, false> : use_ue8m0 ? receive_tokens_kernel<true, true>
                                                                                    : receive_tokens_kernel<true, false>;
-    launch_kernel(chained_launch_for(L.num_ranks), kernel, grid, kThreads, shared, stream, L, h, recv_x, recv_scales, src_info, layout_range,
-                  recv_count, cumulative_stats, wait_stats);
+    launch_kernel(chained_launch_for(L.num_ranks), kernel, grid, kThreads, shared, stream, L, h, recv_x, recv_scales, src_info,
+                  layout_range, recv_count, cumulative_stats, wait_stats);
 }
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range,

@@ -102,7 +102,7 @@ struct Half {
     unsigned long long* phase_trace;
 };
 
-// The traced kernels and their points, in order (a block that is not the last to arrive ends at kArrived).
+// The traced kernels and their points, in order (a block that is not the last to arrive ends at kTraceArrived).
 enum TraceKernel : int { kTraceSend = 0, kTraceReceive = 1, kTraceCombineSend = 2, kTraceReduce = 3, kTraceKernels = 4 };
 enum TracePoint : int {
     kTraceStart = 0,    // after the wait for the kernel ahead

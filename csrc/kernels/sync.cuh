@@ -41,6 +41,30 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
 // Cheaper than __threadfence_system (fence.sc.sys), which also orders against other SC fences: no protocol here
 // needs that.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The same at GPU scope: enough where only this GPU reads what the fence orders.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Called by every thread of every block at the end of its work: true in the last block to arrive. The barrier puts
+// the block's writes (peer stores included) before thread 0's release fence and arrival; the last block's thread 0
+// acquires every arrival, and its barrier passes that on, so all blocks' writes are ordered before whatever the last
+// block does next. One acq_rel fence per block on each side, as a grid barrier does (a fence in every thread cost
+// microseconds per kernel), at system scope when the last block signals other GPUs or processes, else at GPU scope.
+// The counter is reset for the next kernel that uses it (stream order: it starts after this one ends).
+template <bool kSystemScope>
+__device__ __forceinline__ bool arrive_last(unsigned int* counter) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        kSystemScope ? fence_acq_rel_sys() : fence_acq_rel_gpu();
+        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            *counter = 0;
+            kSystemScope ? fence_acq_rel_sys() : fence_acq_rel_gpu();
+        }
+    }
+    __syncthreads();
+    return is_last;
+}
 
 // A load that always goes to memory (peers' buffers are written by other GPUs/processes; L1 is not coherent).
 __device__ __forceinline__ int load_relaxed_sys(const int* ptr) {
