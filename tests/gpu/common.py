@@ -14,6 +14,8 @@ import torch
 
 # World sizes of the multi-rank tests; EP_GPU_TEST_WORLDS="2,4" picks a subset.
 WORLDS = [int(w) for w in os.environ.get("EP_GPU_TEST_WORLDS", "2,4,8").split(",")]
+# The same plus one rank: loopback, whose kernels alone are launched chained (csrc/kernels/launch.cuh).
+WORLDS_AND_ONE = sorted({1, *WORLDS})
 NUM_SMS = 8  # per rank: 8 ranks x 8 SMs fit on one H200 even without the MPS thread limit
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tests import reference_cases as rc
 from tests.dist import run
-from tests.gpu.common import NUM_SMS, WORLDS, require_extension, set_device
+from tests.gpu.common import NUM_SMS, WORLDS, WORLDS_AND_ONE, require_extension, set_device
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -128,8 +128,7 @@ def _compare_worker(rank: int, world: int, seeds) -> int:
     return len(seeds)
 
 
-# One rank too: loopback, and its kernels are launched chained (csrc/kernels/launch.cuh), which only one rank does.
-@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+@pytest.mark.parametrize("world", WORLDS_AND_ONE)
 def test_intranode_matches_reference(world: int) -> None:
     seeds = [9000 + world * 10 + i for i in range(4)]
     assert run(_compare_worker, world, seeds) == [len(seeds)] * world
@@ -192,7 +191,7 @@ def _graph_and_stress_worker(rank: int, world: int, iterations: int) -> str:
     return digest.hexdigest()
 
 
-@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+@pytest.mark.parametrize("world", WORLDS_AND_ONE)
 def test_intranode_graph_replay_and_stress(world: int) -> None:
     iterations = int(os.environ.get("EP_GPU_STRESS_ITERATIONS", "50"))
     first = run(_graph_and_stress_worker, world, iterations)
@@ -487,6 +486,6 @@ def _long_scan_worker(rank: int, world: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+@pytest.mark.parametrize("world", WORLDS_AND_ONE)
 def test_intranode_send_positions_over_several_scan_chunks(world: int) -> None:
     assert run(_long_scan_worker, world) == [2] * world

@@ -21,7 +21,7 @@ import torch
 from tests import reference_cases as rc
 from ep_dispatcher.launch import use_nvshmem_on_one_machine
 from tests.dist import run
-from tests.gpu.common import WORLDS, require_extension, set_device, where_differs
+from tests.gpu.common import WORLDS, WORLDS_AND_ONE, require_extension, set_device, where_differs
 from tests.poison import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -215,8 +215,7 @@ def _raise(results) -> None:
     assert not errors, "\n".join(errors[:20])
 
 
-# One rank too: loopback, and its kernels are launched chained (csrc/kernels/launch.cuh), which only one rank does.
-@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+@pytest.mark.parametrize("world", WORLDS_AND_ONE)
 def test_low_latency_matches_reference(world):
     _raise(run(_compare_worker, world, SEEDS, True))
 
@@ -291,7 +290,7 @@ def _graph_worker(rank: int, world: int, seeds) -> list:
     return errors
 
 
-@pytest.mark.parametrize("world", sorted({1, *WORLDS}))
+@pytest.mark.parametrize("world", WORLDS_AND_ONE)
 def test_low_latency_cuda_graph_replay_with_new_inputs(world):
     _raise(run(_graph_worker, world, [11, 12, 13]))
 
