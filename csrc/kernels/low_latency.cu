@@ -53,8 +53,13 @@ __device__ __forceinline__ T* peer_address(const Half& h, T* local, int pe) {
 
 // Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this thread's earlier writes
 // (and those it has observed) to that PE: a release store through the peer mapping (cumulative: it also orders the
-// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal.
+// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal. A rank signalling itself (only
+// its own kernels read the flag, on this GPU) through its own mapping releases at GPU scope.
 __device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uint64_t value, int pe) {
+    if (pe == h.rank && h.peer_base[pe] != 0) {
+        sync::store_release_gpu(signal, value);
+        return;
+    }
     if (h.peer_base[pe] != 0) {
         sync::store_release_sys(peer_address(h, signal, pe), value);
         return;
@@ -123,14 +128,17 @@ __device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, un
     __syncthreads();  // the acquiring threads' view passes to the whole block
 }
 
-// The last block to finish a kernel signals peers (release stores), so the arrival orders at system scope.
-__device__ __forceinline__ bool arrive_last(unsigned int* counter) { return sync::arrive_last<true>(counter); }
+// The last block to finish a kernel signals peers (release stores), so the arrival orders at system scope; one rank
+// alone signals only itself, on this GPU, and GPU scope suffices (a system-scope fence costs microseconds).
+__device__ __forceinline__ bool arrive_last(const Layout& L, unsigned int* counter) {
+    return L.num_ranks == 1 ? sync::arrive_last<false>(counter) : sync::arrive_last<true>(counter);
+}
 
 // End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
 // has read the half.
 __device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch, TraceKernel kernel) {
     trace_phase(h, kernel, kTraceMoved);
-    const bool last = arrive_last(&h.state->arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->arrived[h.half]);
     trace_phase(h, kernel, kTraceArrived);
     if (!last) return;
     if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
@@ -494,7 +502,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceSend, kTraceMoved);
-    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceSend, kTraceArrived);
     if (!last) return;
     for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
@@ -650,7 +658,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceCombineSend, kTraceMoved);
-    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceCombineSend, kTraceArrived);
     if (!last) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
