@@ -53,10 +53,11 @@ __device__ __forceinline__ T* peer_address(const Half& h, T* local, int pe) {
 
 // Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this thread's earlier writes
 // (and those it has observed) to that PE: a release store through the peer mapping (cumulative: it also orders the
-// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal. A rank signalling itself (only
-// its own kernels read the flag, on this GPU) through its own mapping releases at GPU scope.
-__device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uint64_t value, int pe) {
-    if (pe == h.rank && h.peer_base[pe] != 0) {
+// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal. One rank alone signals only
+// itself (only its own kernels read the flag, on this GPU), and releases at GPU scope (verified on a GPU at one rank;
+// a rank's signals to itself in larger groups could do the same, untested).
+__device__ __forceinline__ void signal_peer(const Layout& L, const Half& h, uint64_t* signal, uint64_t value, int pe) {
+    if (L.num_ranks == 1 && h.peer_base[pe] != 0) {
         sync::store_release_gpu(signal, value);
         return;
     }
@@ -143,7 +144,7 @@ __device__ void finish_receive(const Layout& L, const Half& h, unsigned long lon
     if (!last) return;
     if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
     for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
-        signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
+        signal_peer(L, h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
     trace_phase(h, kernel, kTraceSignaled);
@@ -359,10 +360,10 @@ __device__ __forceinline__ void send_step_direct(const Layout& L, const DirectRe
         const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
         if (slot < 0) continue;  // warp-uniform
         const int64_t row = static_cast<int64_t>(expert) * T + slot;  // one rank: every expert is local
+        uint8_t* dst = static_cast<uint8_t*>(d.recv_x) + row * row_bytes + int64_t(channel) * kBytesPerChannel;
         if (active)
 #pragma unroll
-            for (int v = 0; v < kVectors; ++v)
-                reinterpret_cast<int4*>(static_cast<uint8_t*>(d.recv_x) + row * row_bytes + int64_t(channel) * kBytesPerChannel)[v] = data[v];
+            for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(dst)[v] = data[v];
         if constexpr (kUseFP8) {
             if (d.use_ue8m0) {
                 if (full_word && lane == 0)
@@ -507,7 +508,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     if (!last) return;
     for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
         const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-        signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
+        signal_peer(L, h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
                     make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
         quiet_puts(h, pe);
     }
@@ -664,7 +665,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
         const int pe = pair % R, local_expert = pair / R;
         const int first = begin[local_expert * (R + 1) + pe];
-        signal_peer(h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
+        signal_peer(L, h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
         quiet_puts(h, pe);
     }
     trace_phase(h, kTraceCombineSend, kTraceSignaled);
@@ -828,8 +829,8 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
                    bool round_scale, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
-    EP_HOST_ASSERT(L.num_ranks != 1 || (direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr)),
-                   "low-latency dispatch: one rank alone needs its receive outputs at the send");
+    const bool outputs_given = direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr);
+    EP_HOST_ASSERT(L.num_ranks != 1 || outputs_given, "low-latency dispatch: one rank alone needs its receive outputs at the send");
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     launch_kernel(chained_launch_for(L.num_ranks), use_fp8 ? send_tokens_kernel<true> : send_tokens_kernel<false>, blocks, kSmallThreads,
