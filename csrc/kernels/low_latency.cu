@@ -53,8 +53,14 @@ __device__ __forceinline__ T* peer_address(const Half& h, T* local, int pe) {
 
 // Writes `value` into `signal` (a symmetric address in this half) on PE `pe`, after this thread's earlier writes
 // (and those it has observed) to that PE: a release store through the peer mapping (cumulative: it also orders the
-// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal.
-__device__ __forceinline__ void signal_peer(const Half& h, uint64_t* signal, uint64_t value, int pe) {
+// writes of every block that arrive_last saw arrive), or an NVSHMEM fence + signal. One rank alone signals only
+// itself (only its own kernels read the flag, on this GPU), and releases at GPU scope (verified on a GPU at one rank;
+// a rank's signals to itself in larger groups could do the same, untested).
+__device__ __forceinline__ void signal_peer(const Layout& L, const Half& h, uint64_t* signal, uint64_t value, int pe) {
+    if (L.num_ranks == 1 && h.peer_base[pe] != 0) {
+        sync::store_release_gpu(signal, value);
+        return;
+    }
     if (h.peer_base[pe] != 0) {
         sync::store_release_sys(peer_address(h, signal, pe), value);
         return;
@@ -123,19 +129,22 @@ __device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, un
     __syncthreads();  // the acquiring threads' view passes to the whole block
 }
 
-// The last block to finish a kernel signals peers (release stores), so the arrival orders at system scope.
-__device__ __forceinline__ bool arrive_last(unsigned int* counter) { return sync::arrive_last<true>(counter); }
+// The last block to finish a kernel signals peers (release stores), so the arrival orders at system scope; one rank
+// alone signals only itself, on this GPU, and GPU scope suffices (a system-scope fence costs microseconds).
+__device__ __forceinline__ bool arrive_last(const Layout& L, unsigned int* counter) {
+    return L.num_ranks == 1 ? sync::arrive_last<false>(counter) : sync::arrive_last<true>(counter);
+}
 
 // End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
 // has read the half.
 __device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch, TraceKernel kernel) {
     trace_phase(h, kernel, kTraceMoved);
-    const bool last = arrive_last(&h.state->arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->arrived[h.half]);
     trace_phase(h, kernel, kTraceArrived);
     if (!last) return;
     if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
     for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
-        signal_peer(h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
+        signal_peer(L, h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
     trace_phase(h, kernel, kTraceSignaled);
@@ -328,9 +337,49 @@ __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h,
 // One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
 // (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
 // entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
+// One rank alone: this lane's part of step `step` of token t, stored into its packed places (DirectReceive) for each
+// of the token's experts; lane_expert/lane_slot as in send_step. The UE8M0 scales of a step's four groups are one
+// int32 word, which lane 0 assembles.
+template <bool kUseFP8>
+__device__ __forceinline__ void send_step_direct(const Layout& L, const DirectReceive& d, int t, int step, const int4 (&data)[2],
+                                                 float scale, bool active, int lane_expert, int lane_slot, int num_topk, int lane) {
+    constexpr int kBytesPerChannel = kUseFP8 ? 1 : 2;
+    constexpr int kVectors = kUseFP8 ? 1 : 2;
+    const int H = L.hidden, T = L.max_tokens, groups = H / kFp8GroupSize;
+    const int channel = step * kStepChannels + lane * kLaneChannels;
+    const int64_t row_bytes = int64_t(H) * kBytesPerChannel;
+    uint32_t word = 0;  // UE8M0: the step's four scale exponents, assembled in lane 0 (a full step only)
+    const bool full_word = kUseFP8 && d.use_ue8m0 && (step + 1) * kStepChannels <= H;
+    if (full_word) {
+#pragma unroll
+        for (int g = 0; g < kStepChannels / kFp8GroupSize; ++g)
+            word |= ((__float_as_uint(__shfl_sync(kFullWarpMask, scale, g * kLanesPerGroup)) >> 23) & 0xffu) << (8 * g);
+    }
+    for (int k = 0; k < num_topk; ++k) {
+        const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
+        const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
+        if (slot < 0) continue;  // warp-uniform
+        const int64_t row = static_cast<int64_t>(expert) * T + slot;  // one rank: every expert is local
+        uint8_t* dst = static_cast<uint8_t*>(d.recv_x) + row * row_bytes + int64_t(channel) * kBytesPerChannel;
+        if (active)
+#pragma unroll
+            for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(dst)[v] = data[v];
+        if constexpr (kUseFP8) {
+            if (d.use_ue8m0) {
+                if (full_word && lane == 0)
+                    static_cast<uint32_t*>(d.recv_scales)[(static_cast<int64_t>(expert) * (groups / 4) + step) * T + slot] = word;
+            } else if (active && lane % kLanesPerGroup == 0) {
+                static_cast<float*>(d.recv_scales)[(static_cast<int64_t>(expert) * groups + channel / kFp8GroupSize) * T + slot] = scale;
+            }
+        }
+        if (step == 0 && lane == 0) d.src_info[row] = t;
+    }
+}
+
 template <bool kUseFP8>
 __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert,
-                                          int lane_slot, int num_topk, bool round_scale, int lane, bool& issued_puts) {
+                                          int lane_slot, int num_topk, bool round_scale, int lane, const DirectReceive& direct,
+                                          bool& issued_puts) {
     constexpr int kBytesPerChannel = kUseFP8 ? 1 : 2;
     constexpr int kVectors = kUseFP8 ? 1 : 2;  // 16-byte vectors per lane
     const int H = L.hidden;
@@ -339,6 +388,10 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
     int4 data[2] = {raw[0], raw[1]};
     float scale = 0.f;
     if constexpr (kUseFP8) data[0] = cast_to_fp8(raw, active, round_scale, scale);
+    if (L.num_ranks == 1) {
+        send_step_direct<kUseFP8>(L, direct, t, step, data, scale, active, lane_expert, lane_slot, num_topk, lane);
+        return;
+    }
     const bool writes_scale = kUseFP8 && active && lane % kLanesPerGroup == 0;
     const int64_t data_offset = kHeaderBytes + int64_t(channel) * kBytesPerChannel;  // in the message
     const int64_t scale_offset = kHeaderBytes + H + (channel / kFp8GroupSize) * int64_t(sizeof(float));
@@ -394,7 +447,7 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
 template <bool kUseFP8>
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
-                       int num_topk, bool round_scale) {
+                       int num_topk, bool round_scale, DirectReceive direct) {
     wait_for_previous_kernel();
     let_next_kernel_start();
     extern __shared__ int plan_shared[];
@@ -443,19 +496,19 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
             const int64_t item = base + u * kSmallWarps;
             if (item >= item_end) break;  // warp-uniform
             send_step<kUseFP8>(L, h, static_cast<int>(item / steps), static_cast<int>(item % steps), raw[u], lane_expert[u], lane_slot[u],
-                               num_topk, round_scale, lane, issued_puts);
+                               num_topk, round_scale, lane, direct, issued_puts);
         }
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceSend, kTraceMoved);
-    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceSend, kTraceArrived);
     if (!last) return;
     for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
         const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-        signal_peer(h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
+        signal_peer(L, h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
                     make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
         quiet_puts(h, pe);
     }
@@ -509,7 +562,8 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     const int lane = threadIdx.x % kWarpSize;
     const int groups = H / kFp8GroupSize;
     const int64_t row_bytes = kUseFP8 ? H : 2 * H;
-    for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < start[E_local]; item += gridDim.x * kWarps) {
+    const int items = R == 1 ? 0 : start[E_local];  // one rank alone: its send kernel stored the rows in place
+    for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kWarps) {
         const int local_expert = last_at_most(start, E_local, item);
         const int slot = item - start[local_expert];
         const int* b = begin + local_expert * (R + 1);
@@ -605,13 +659,13 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceCombineSend, kTraceMoved);
-    const bool last = arrive_last(&h.state->send_arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceCombineSend, kTraceArrived);
     if (!last) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
         const int pe = pair % R, local_expert = pair / R;
         const int first = begin[local_expert * (R + 1) + pe];
-        signal_peer(h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
+        signal_peer(L, h, combine_signals(L, h) + h.rank * E_local + local_expert, make_signal(epoch, static_cast<uint32_t>(first)), pe);
         quiet_puts(h, pe);
     }
     trace_phase(h, kTraceCombineSend, kTraceSignaled);
@@ -732,10 +786,12 @@ int small_grid(int64_t warps, int max_blocks) {
 int send_grid(const Layout& L, int max_blocks, int num_tokens) {
     return small_grid(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels), max_blocks);
 }
-// Receivers size for the most messages the layout allows (the counts are only known on the device).
+// Receivers size for the most messages the layout allows (the counts are only known on the device). One rank alone
+// moves no message: a block per 16 unused-slot marks per thread.
 int receive_grid(const Layout& L, int max_blocks) {
-    return static_cast<int>(
-        std::max<int64_t>(1, std::min<int64_t>(max_blocks, ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, kWarps))));
+    const int64_t work = L.num_ranks == 1 ? ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, 16 * kThreads)
+                                          : ceil_div<int64_t>(int64_t(L.num_experts) * L.max_tokens, kWarps);
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, work)));
 }
 int combine_send_grid(const Layout& L, int max_blocks) {
     return small_grid(int64_t(L.num_experts) * L.max_tokens * ceil_div<int64_t>(2 * int64_t(L.hidden), kChunkBytes), max_blocks);
@@ -772,11 +828,13 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 }
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                   bool round_scale, int* send_slot, cudaStream_t stream) {
+                   bool round_scale, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
+    const bool outputs_given = direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr);
+    EP_HOST_ASSERT(L.num_ranks != 1 || outputs_given, "low-latency dispatch: one rank alone needs its receive outputs at the send");
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     launch_kernel(chained_launch_for(L.num_ranks), use_fp8 ? send_tokens_kernel<true> : send_tokens_kernel<false>, blocks, kSmallThreads,
-                  plan_shared_bytes(L), stream, L, h, xb, topk_idx, send_slot, num_tokens, num_topk, round_scale);
+                  plan_shared_bytes(L), stream, L, h, xb, topk_idx, send_slot, num_tokens, num_topk, round_scale, direct);
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,

@@ -22,7 +22,8 @@
 //     it to FP8 once and stores it straight into its slot at each of the token's experts; the last block to finish
 //     signals every expert's count.
 //   dispatch receive = every block waits for the counts, then a warp per received message copies it to its packed
-//     place (source ranks ascending, token order inside a source).
+//     place (source ranks ascending, token order inside a source). One rank alone sends straight into those places
+//     (DirectReceive), and its receive kernel only publishes the counts and ranges.
 //   combine send = moves no row for directly addressable sources with the zero-copy buffer (else a warp per (row,
 //     4 KB chunk) copies `x` into the send area, and pushes the rows of the other sources); the last block flags every
 //     (expert, source) pair. combine receive = waits for the flags, then reads each row where it is (the expert's
@@ -116,9 +117,20 @@ enum TracePoint : int {
 constexpr int kTraceBlocks = 1024;
 constexpr int64_t kTraceInts = int64_t(kTraceKernels) * kTraceBlocks * kTracePoints;
 
+// The dispatch's outputs, which one rank alone (num_ranks == 1) fills from its send kernel: every slot's packed place
+// is known there (a lone source's range at each expert starts at 0), so the rows land in recv_x straight from the
+// cast, and the receive kernel moves no row. Null pointers elsewhere. Shapes as dispatch_recv's arguments.
+struct DirectReceive {
+    void* recv_x;
+    void* recv_scales;  // FP8: fp32 [E_local, groups, T], or with UE8M0 int32 [E_local, groups / 4, T]
+    int* src_info;      // [E_local, T]
+    bool use_ue8m0;
+};
+
 // `send_slot`: int32 [num_tokens * num_topk]: each entry's slot at its expert (-1: skipped), which the combine reads.
+// `direct`: the outputs when layout.num_ranks == 1 (else ignored).
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
-                   bool use_fp8, bool round_scale, int* send_slot, cudaStream_t stream);
+                   bool use_fp8, bool round_scale, int* send_slot, const DirectReceive& direct, cudaStream_t stream);
 
 // `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the receive kernel spun waiting for each
 // source rank's signals, one add per waited signal: dispatch per (local expert, source rank) count, combine per expert

@@ -30,6 +30,11 @@ __device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t value)
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+// The same at GPU scope: enough where only this GPU reads the flag (a rank signalling itself).
+__device__ __forceinline__ void store_release_gpu(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
     uint64_t value;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
