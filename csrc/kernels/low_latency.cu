@@ -214,6 +214,9 @@ size_t prefix_shared_bytes(const Layout& L) {
 size_t plan_shared_bytes(const Layout& L) { return 3 * static_cast<size_t>(L.num_experts) * sizeof(int); }
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
+// The UE8M0 byte of a power-of-two fp32 scale: its biased exponent.
+__device__ __forceinline__ uint32_t ue8m0_exponent(float scale) { return (__float_as_uint(scale) >> 23) & 0xffu; }
+
 __device__ __forceinline__ float round_up_pow2(float scale) {
     const uint32_t bits = __float_as_uint(scale);
     if ((bits & 0x7fffffu) == 0) return scale;  // already a power of two
@@ -334,9 +337,6 @@ __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h,
     __syncthreads();  // the slots (global, read back by this block's warps) and the counts are complete
 }
 
-// One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
-// (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
-// entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
 // One rank alone: this lane's part of step `step` of token t, stored into its packed places (DirectReceive) for each
 // of the token's experts; lane_expert/lane_slot as in send_step. The UE8M0 scales of a step's four groups are one
 // int32 word, which lane 0 assembles.
@@ -353,7 +353,7 @@ __device__ __forceinline__ void send_step_direct(const Layout& L, const DirectRe
     if (full_word) {
 #pragma unroll
         for (int g = 0; g < kStepChannels / kFp8GroupSize; ++g)
-            word |= ((__float_as_uint(__shfl_sync(kFullWarpMask, scale, g * kLanesPerGroup)) >> 23) & 0xffu) << (8 * g);
+            word |= ue8m0_exponent(__shfl_sync(kFullWarpMask, scale, g * kLanesPerGroup)) << (8 * g);
     }
     for (int k = 0; k < num_topk; ++k) {
         const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
@@ -376,6 +376,9 @@ __device__ __forceinline__ void send_step_direct(const Layout& L, const DirectRe
     }
 }
 
+// One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
+// (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
+// entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
 template <bool kUseFP8>
 __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert,
                                           int lane_slot, int num_topk, bool round_scale, int lane, const DirectReceive& direct,
@@ -583,7 +586,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
                 for (int word = lane; word < groups / 4; word += kWarpSize) {
                     uint32_t packed = 0;
 #pragma unroll
-                    for (int b4 = 0; b4 < 4; ++b4) packed |= ((__float_as_uint(__ldcg(scales + 4 * word + b4)) >> 23) & 0xffu) << (8 * b4);
+                    for (int b4 = 0; b4 < 4; ++b4) packed |= ue8m0_exponent(__ldcg(scales + 4 * word + b4)) << (8 * b4);
                     static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] =
                         packed;
                 }
