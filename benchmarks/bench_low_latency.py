@@ -170,8 +170,8 @@ def rank_setup(rank: int, world: int, args, max_tokens: int = 0, **buffer_kwargs
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     sweep = [int(t) for t in args.sweep.split(",")]
-    sizes = [*sweep, *([max_tokens] if max_tokens else [])]
-    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(t, args.hidden, world, args.experts) for t in sizes)
+    # The hint grows with the tokens: the largest count sizes the buffer (max_tokens 0: the sweep's largest).
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(max(*sweep, max_tokens), args.hidden, world, args.experts)
     buffer = Buffer(None, low_latency_mode=True, num_rdma_bytes=num_rdma_bytes, backend="cuda", **buffer_kwargs)
     return device, sweep, buffer
 
