@@ -56,13 +56,15 @@ def short_kernel_name(name: str) -> str:
 
 def _phase_summary(stamps: torch.Tensor) -> Dict:
     """One kernel's stamps [blocks, points] (ns, 0: not reached) -> its span on the global clock and, per phase, the
-    median and slowest block (µs)."""
+    median and slowest block (µs). The graph replays several pairs and each overwrites the stamps its blocks reach,
+    so a block that signalled in an earlier pair but not in the last keeps an older stamp at that point: a point
+    counts as reached only when its stamp is not older than the point before it."""
     started = stamps[stamps[:, 0] > 0]
     if started.numel() == 0:
         return {}
     phases = {}
     for p, name in enumerate(TRACE_PHASES, start=1):
-        reached = started[started[:, p] > 0]
+        reached = started[(started[:, p] > 0) & (started[:, p] >= started[:, p - 1])]
         if reached.numel():
             d = (reached[:, p] - reached[:, p - 1]).double() / 1e3
             phases[name] = (float(d.median()), float(d.max()), int(reached.size(0)))
@@ -109,6 +111,10 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
             (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
             key=lambda e: e.time_range.start,
         )
+        # The profiled replays' kernels only: one still running from the replay before the profiler started (a rank
+        # that waits for slower peers) is recorded too and would stretch the span.
+        pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
+        kernels = kernels[len(kernels) % pairs :] if len(kernels) > pairs else kernels
         t0 = kernels[0].time_range.start if kernels else 0
         timeline = [(short_kernel_name(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
         # The profiler's times count from its own start; its trace start (host clock, shared by the ranks' processes)
@@ -125,7 +131,6 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
             torch.cuda.synchronize()
             stamps = trace.cpu()
             phases = [_phase_summary(stamps[k]) for k in range(len(TRACE_KERNELS))]
-        pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
         rows[tokens] = dict(
             phases=phases,
             span_per_pair=(kernels[-1].time_range.end - t0) / pairs if kernels else 0.0,
