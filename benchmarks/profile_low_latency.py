@@ -111,10 +111,13 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
             (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
             key=lambda e: e.time_range.start,
         )
-        # The profiled replays' kernels only: one still running from the replay before the profiler started (a rank
-        # that waits for slower peers) is recorded too and would stretch the span.
+        # The profiled replays' kernels only, from the send of their first pair on: the profiler also reports kernels
+        # from before its window (8 ranks: up to 0.8 s earlier), which stretched the span per pair to milliseconds.
         pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
-        kernels = kernels[len(kernels) % pairs :] if len(kernels) > pairs else kernels
+        sends = [e for e in kernels if short_kernel_name(e.name) == "send_tokens_kernel"]
+        if len(sends) > pairs:
+            first = sends[-pairs].time_range.start
+            kernels = [e for e in kernels if e.time_range.start >= first]
         t0 = kernels[0].time_range.start if kernels else 0
         timeline = [(short_kernel_name(e.name), e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
         # The profiler's times count from its own start; its trace start (host clock, shared by the ranks' processes)
