@@ -118,7 +118,7 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
             void* scales_out = recv_scales_storage.defined() ? recv_scales_storage.data_ptr() : nullptr;
             const low_latency::DirectReceive direct{recv_x.data_ptr(), scales_out, src_info.data_ptr<int>(), use_ue8m0};
             low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
-                                       send_slot.data_ptr<int>(), direct, stream());
+                                       num_direct_peers_ == num_ranks_, send_slot.data_ptr<int>(), direct, stream());
             // The receive phase, bound now: the hook's call converts no arguments. It holds the buffer (shared_ptr), so a
             // hook run after destroy() raises (half() checks base_) instead of touching freed memory.
             auto self = shared_from_this();

@@ -212,6 +212,8 @@ size_t prefix_shared_bytes(const Layout& L) {
 
 // The send kernel's per-block plan: count[E], count_after[E] and window_bits[E].
 size_t plan_shared_bytes(const Layout& L) { return 3 * static_cast<size_t>(L.num_experts) * sizeof(int); }
+constexpr size_t kOwnEntryBytes = sizeof(uint8_t*) + 2 * sizeof(int);  // OwnEntries: message, expert, slot
+
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
 // The UE8M0 byte of a power-of-two fp32 scale: its biased exponent.
@@ -262,18 +264,23 @@ __device__ __forceinline__ int4 cast_to_fp8(const int4 (&raw)[2], bool active, b
 // The experts of token t that take a slot, in k order: expert[k], or -1 for -1 itself, an id outside [-1, E) and the
 // second listing of an expert by one token (those two are reported when `report`, and skipped, so counts never exceed
 // the tokens and slots stay inside the expert's region). A thread per token: its ids are loaded together, one round
-// trip, and the repeats are found in registers.
+// trip, and the repeats are found in registers (as int32: the send kernel's registers are its occupancy).
 __device__ __forceinline__ void planned_experts(const Layout& L, const Half& h, const int64_t* topk_idx, int t, int num_topk, bool report,
                                                 int (&expert)[kMaxTopk]) {
-    int64_t id[kMaxTopk];
+    constexpr int kOutOfRange = INT_MIN;  // an id outside [-1, E), reloaded for the report
+    const int64_t* row = topk_idx + static_cast<int64_t>(t) * num_topk;
+    int id[kMaxTopk];
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) id[k] = k < num_topk ? __ldg(topk_idx + static_cast<int64_t>(t) * num_topk + k) : -1;
+    for (int k = 0; k < kMaxTopk; ++k) {
+        const int64_t value = k < num_topk ? __ldg(row + k) : -1;
+        id[k] = value >= -1 && value < L.num_experts ? static_cast<int>(value) : kOutOfRange;
+    }
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
         expert[k] = -1;
         if (k >= num_topk || id[k] == -1) continue;
-        if (id[k] < -1 || id[k] >= L.num_experts) {
-            if (report) report_bad_entry(h, kErrorDispatchRange, t, k, id[k]);
+        if (id[k] == kOutOfRange) {
+            if (report) report_bad_entry(h, kErrorDispatchRange, t, k, __ldg(row + k));
             continue;
         }
         bool repeat = false;
@@ -283,28 +290,51 @@ __device__ __forceinline__ void planned_experts(const Layout& L, const Half& h, 
             if (report) report_bad_entry(h, kErrorDispatchRepeat, t, k, id[k]);
             continue;
         }
-        expert[k] = static_cast<int>(id[k]);
+        expert[k] = id[k];
     }
+}
+
+// The block's own tokens' entries (token token_begin + i, entry k at i * num_topk + k), in shared memory: the plan
+// writes them once, and the warps that move the rows read them there instead of going back to global memory.
+struct OwnEntries {
+    uint8_t** message;  // the entry's message at its expert's rank, through the peer mapping; null: skipped, or put
+    int* expert;        // the planned expert (-1: skipped)
+    int* slot;          // its slot (-1: skipped)
+};
+
+// The own entries' arrays for `entries` entries, from `base` (8-byte aligned up) on; send_shared_bytes sizes them.
+__device__ __forceinline__ OwnEntries own_entries_at(int* base, int entries) {
+    auto* bytes = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + 7) & ~uintptr_t{7});
+    OwnEntries own;
+    own.message = reinterpret_cast<uint8_t**>(bytes);
+    own.expert = reinterpret_cast<int*>(bytes + static_cast<int64_t>(entries) * sizeof(uint8_t*));
+    own.slot = own.expert + entries;
+    return own;
 }
 
 // The send plan, computed by every block of the send kernel for itself (no plan kernel, no grid-wide scan): the
 // slot of each entry of the block's tokens [token_begin, token_end) is its rank among this rank's entries for that
-// expert in token order (as the reference's stable sort), written to send_slot (-1: skipped); `count` (shared, [E])
-// ends as each expert's total, which the last block signals. One pass, a thread per token, counts the tokens before
-// the block's into `count` and those after into `count_after`; then the block's own tokens go in windows of 32 (bit i
-// of window_bits[e]: token window + i lists e; a slot adds the bits below its token). Block 0 reports bad entries.
+// expert in token order (as the reference's stable sort), written to send_slot (-1: skipped; the combine reads it)
+// and to `own`; `count` (shared, [E]) ends as each expert's total, which the last block signals. One pass, a thread
+// per token (one round trip to global memory), counts the tokens before the block's into `count` and those after
+// into `count_after`, and keeps the block's own tokens' experts in `own`; then those go in windows of 32 (bit i of
+// window_bits[e]: token window + i lists e; a slot adds the bits below its token). Block 0 reports bad entries.
 __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h, const int64_t* topk_idx, int num_tokens, int num_topk,
                                                  int token_begin, int token_end, int* send_slot, int* count, int* count_after,
-                                                 unsigned* window_bits) {
+                                                 unsigned* window_bits, const OwnEntries& own) {
     const int E = L.num_experts;
     const bool report = blockIdx.x == 0;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = count_after[e] = 0;
     __syncthreads();
-    const int others = num_tokens - (token_end - token_begin);
-    for (int i = threadIdx.x; i < others; i += blockDim.x) {
-        const int t = i < token_begin ? i : i + (token_end - token_begin);
+    for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
         int expert[kMaxTopk];
         planned_experts(L, h, topk_idx, t, num_topk, report, expert);
+        if (t >= token_begin && t < token_end) {
+#pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k)
+                if (k < num_topk) own.expert[(t - token_begin) * num_topk + k] = expert[k];
+            continue;
+        }
         int* counter = t < token_begin ? count : count_after;
 #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k)
@@ -312,29 +342,44 @@ __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h,
     }
     for (int window = token_begin; window < token_end; window += kWarpSize) {
         const int t = window + static_cast<int>(threadIdx.x);  // threads [0, 32) take the window's tokens
+        const int i = t - token_begin;
         const bool mine = threadIdx.x < kWarpSize && t < token_end;
         for (int e = threadIdx.x; e < E; e += blockDim.x) window_bits[e] = 0;
+        __syncthreads();  // also: the own experts and the counts of the tokens before the window are complete
         int expert[kMaxTopk];
-        if (mine) planned_experts(L, h, topk_idx, t, num_topk, report, expert);
-        __syncthreads();  // also: the counts of the tokens before the window are complete
-        if (mine)
 #pragma unroll
-            for (int k = 0; k < kMaxTopk; ++k)
-                if (expert[k] >= 0) atomicOr(window_bits + expert[k], 1u << threadIdx.x);
+        for (int k = 0; k < kMaxTopk; ++k) expert[k] = mine && k < num_topk ? own.expert[i * num_topk + k] : -1;
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k)
+            if (expert[k] >= 0) atomicOr(window_bits + expert[k], 1u << threadIdx.x);
         __syncthreads();
         if (mine) {
             const unsigned below = (1u << threadIdx.x) - 1;
 #pragma unroll
-            for (int k = 0; k < kMaxTopk; ++k)
-                if (k < num_topk)
-                    send_slot[t * num_topk + k] = expert[k] < 0 ? -1 : count[expert[k]] + __popc(window_bits[expert[k]] & below);
+            for (int k = 0; k < kMaxTopk; ++k) {
+                if (k >= num_topk) continue;
+                const int e = expert[k];
+                const int slot = e < 0 ? -1 : count[e] + __popc(window_bits[e] & below);
+                send_slot[t * num_topk + k] = slot;
+                own.slot[i * num_topk + k] = slot;
+                uint8_t* message = nullptr;
+                const int pe = e < 0 ? 0 : e / L.num_local_experts;
+                if (e >= 0 && L.num_ranks > 1 && h.peer_base[pe] != 0) {
+                    const int local_expert = e % L.num_local_experts;
+                    message = peer_address(h, h.local + L.recv_offset() +
+                                                  ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) *
+                                                      L.dispatch_msg_bytes,
+                                           pe);
+                }
+                own.message[i * num_topk + k] = message;
+            }
         }
         __syncthreads();
         for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += __popc(window_bits[e]);  // the thread that cleared e
     }
     __syncthreads();  // the counts of the tokens after are complete (a block may have no window)
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += count_after[e];
-    __syncthreads();  // the slots (global, read back by this block's warps) and the counts are complete
+    __syncthreads();  // the own entries and the counts are complete
 }
 
 // One rank alone: this lane's part of step `step` of token t, stored into its packed places (DirectReceive) for each
@@ -377,12 +422,14 @@ __device__ __forceinline__ void send_step_direct(const Layout& L, const DirectRe
 }
 
 // One warp step of the token-parallel send: this lane's kLaneChannels channels of token `t` (`raw`, BF16), cast once
-// (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot` of lane k describe
-// entry k (slot -1: skipped). Step 0 also writes the header, FP8 lanes that lead a group the group's scale.
-template <bool kUseFP8>
+// (FP8) and stored into the token's message at each of its experts: `lane_expert`/`lane_slot`/`lane_message` of lane
+// k describe entry k (slot -1: skipped; message: where a directly addressable peer holds it, else null). Step 0 also
+// writes the header, FP8 lanes that lead a group the group's scale. kPuts: some peer is reached by NVSHMEM puts (the put
+// path's code costs registers, so a kernel whose peers are all addressable leaves it out).
+template <bool kUseFP8, bool kPuts>
 __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t, int step, const int4 (&raw)[2], int lane_expert,
-                                          int lane_slot, int num_topk, bool round_scale, int lane, const DirectReceive& direct,
-                                          bool& issued_puts) {
+                                          int lane_slot, uint8_t* lane_message, int num_topk, bool round_scale, int lane,
+                                          const DirectReceive& direct, bool& issued_puts) {
     constexpr int kBytesPerChannel = kUseFP8 ? 1 : 2;
     constexpr int kVectors = kUseFP8 ? 1 : 2;  // 16-byte vectors per lane
     const int H = L.hidden;
@@ -401,10 +448,8 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
     const int4 header = make_int4(t, 0, 0, 0);
 
     // Peers reached by NVSHMEM puts read the step from the token's staged message (a put's source is symmetric).
-    const int lane_pe = lane_slot >= 0 ? lane_expert / L.num_local_experts : 0;
-    const bool any_put = __ballot_sync(kFullWarpMask, lane_slot >= 0 && h.peer_base[lane_pe] == 0) != 0;
     uint8_t* staged = h.local + L.send_offset() + int64_t(t) * L.dispatch_msg_bytes;
-    if (any_put) {
+    if (kPuts && __ballot_sync(kFullWarpMask, lane_slot >= 0 && lane_message == nullptr) != 0) {
         if (active)
 #pragma unroll
             for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(staged + data_offset)[v] = data[v];
@@ -414,14 +459,9 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
         __syncwarp();
     }
     for (int k = 0; k < num_topk; ++k) {
-        const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
-        const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
-        if (slot < 0) continue;  // warp-uniform
-        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-        uint8_t* msg = h.local + L.recv_offset() +
-                       ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) * L.dispatch_msg_bytes;
-        if (h.peer_base[pe] != 0) {
-            uint8_t* dst = peer_address(h, msg, pe);
+        // The plan computed the message's address: the common case costs a shuffle and the stores.
+        uint8_t* dst = reinterpret_cast<uint8_t*>(__shfl_sync(kFullWarpMask, reinterpret_cast<uintptr_t>(lane_message), k));
+        if (dst != nullptr) {  // warp-uniform
             if (active)
 #pragma unroll
                 for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(dst + data_offset)[v] = data[v];
@@ -430,6 +470,13 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
             continue;
         }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
+        if constexpr (!kPuts) continue;
+        const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
+        const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
+        if (slot < 0) continue;  // warp-uniform
+        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
+        uint8_t* msg = h.local + L.recv_offset() +
+                       ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) * L.dispatch_msg_bytes;
         const int step_channels = min(kStepChannels, H - step * kStepChannels);
         const int64_t step_begin = kHeaderBytes + int64_t(step) * kStepChannels * kBytesPerChannel;
         nvshmemx_putmem_nbi_warp(msg + step_begin, staged + step_begin, static_cast<size_t>(step_channels) * kBytesPerChannel, pe);
@@ -447,63 +494,71 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
 // plans their slots (plan_block_sends), then a warp per item, kSendBatch items' loads in flight. Each token row is read
 // once and each step cast once, then stored into its slots. The last block to finish signals every expert's count
 // (after all blocks' writes, see arrive_last).
-template <bool kUseFP8>
+template <bool kUseFP8, bool kPuts>
 __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
                        int num_topk, bool round_scale, DirectReceive direct) {
     wait_for_previous_kernel();
     let_next_kernel_start();
-    extern __shared__ int plan_shared[];
+    extern __shared__ __align__(16) int plan_shared[];
     int* count = plan_shared;                                                              // [E]
     int* count_after = plan_shared + L.num_experts;                                        // [E]
     unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + 2 * L.num_experts);  // [E]
     trace_phase(h, kTraceSend, kTraceStart);
     const int H = L.hidden;
     const int steps = ceil_div(H, kStepChannels);
+    // Items are counted in 32 bits (dispatch_send checks num_tokens * steps): a 64-bit division per item costs more
+    // than the item's stores.
     const int64_t items = static_cast<int64_t>(num_tokens) * steps;
-    const int64_t item_begin = items * blockIdx.x / gridDim.x, item_end = items * (blockIdx.x + 1) / gridDim.x;
-    const int token_begin = static_cast<int>(item_begin / steps);
-    const int token_end = item_end > item_begin ? static_cast<int>((item_end - 1) / steps) + 1 : token_begin;
+    const int item_begin = static_cast<int>(items * blockIdx.x / gridDim.x), item_end = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
+    const int token_begin = item_begin / steps;
+    const int token_end = item_end > item_begin ? (item_end - 1) / steps + 1 : token_begin;
+    // The own entries follow the counters (send_shared_bytes): messages, experts, slots.
+    const int own_entries = (token_end - token_begin) * num_topk;
+    const OwnEntries own = own_entries_at(plan_shared + 3 * L.num_experts, own_entries);
     // The plan needs nothing from the peers: it runs before the wait for their acks.
-    plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits);
+    plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits, own);
     trace_phase(h, kTraceSend, kTracePrepared);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
     trace_phase(h, kTraceSend, kTraceWaited);
     const int lane = threadIdx.x % kWarpSize;
     [[maybe_unused]] bool issued_puts = false;  // NVSHMEM builds: this warp's puts to complete before arriving
-    for (int64_t base = item_begin + threadIdx.x / kWarpSize; base < item_end; base += kSmallWarps * kSendBatch) {
+    for (int base = item_begin + static_cast<int>(threadIdx.x) / kWarpSize; base < item_end; base += kSmallWarps * kSendBatch) {
         int4 raw[kSendBatch][2];
-        int lane_expert[kSendBatch], lane_slot[kSendBatch];
+        int lane_expert[kSendBatch], lane_slot[kSendBatch], token[kSendBatch], step[kSendBatch];
+        uint8_t* lane_message[kSendBatch];
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-            const int64_t item = base + u * kSmallWarps;
+            const int item = base + u * kSmallWarps;
             raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
             lane_expert[u] = lane_slot[u] = -1;
+            lane_message[u] = nullptr;
+            token[u] = item / steps;
+            step[u] = item - token[u] * steps;
             if (item >= item_end) continue;
-            const int t = static_cast<int>(item / steps), channel = static_cast<int>(item % steps) * kStepChannels + lane * kLaneChannels;
+            const int t = token[u], channel = step[u] * kStepChannels + lane * kLaneChannels;
             if (channel < H) {
                 const int4* row = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H + channel);
                 raw[u][0] = load_nc(row);
                 raw[u][1] = load_nc(row + 1);
             }
-            if (lane < num_topk) {
-                // A slot >= 0 guarantees the id is a valid expert (the plan checked it). Plain load: this block
-                // wrote the slots (visible after its barrier), so not through the read-only cache.
-                lane_slot[u] = send_slot[t * num_topk + lane];
-                lane_expert[u] = static_cast<int>(__ldg(topk_idx + t * num_topk + lane));
+            if (lane < num_topk) {  // a slot >= 0 guarantees a valid expert (the plan checked it)
+                const int entry = (t - token_begin) * num_topk + lane;
+                lane_slot[u] = own.slot[entry];
+                lane_expert[u] = own.expert[entry];
+                lane_message[u] = own.message[entry];
             }
         }
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-            const int64_t item = base + u * kSmallWarps;
-            if (item >= item_end) break;  // warp-uniform
-            send_step<kUseFP8>(L, h, static_cast<int>(item / steps), static_cast<int>(item % steps), raw[u], lane_expert[u], lane_slot[u],
-                               num_topk, round_scale, lane, direct, issued_puts);
+            if (base + u * kSmallWarps >= item_end) break;  // warp-uniform
+            send_step<kUseFP8, kPuts>(L, h, token[u], step[u], raw[u], lane_expert[u], lane_slot[u], lane_message[u], num_topk, round_scale, lane,
+                               direct, issued_puts);
         }
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
-    if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
+    if (kPuts && issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceSend, kTraceMoved);
     const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
@@ -831,13 +886,23 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
 }
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                   bool round_scale, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
+                   bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
     const bool outputs_given = direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr);
     EP_HOST_ASSERT(L.num_ranks != 1 || outputs_given, "low-latency dispatch: one rank alone needs its receive outputs at the send");
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
+    EP_HOST_ASSERT(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels) <= INT_MAX, "low-latency dispatch: ", num_tokens,
+                   " tokens of hidden ", L.hidden, " are too many (the send counts (token, step) items in int32)");
+    // The plan, then the own entries of the most tokens a block takes: its items span at most this many tokens.
+    const int64_t steps = ceil_div(L.hidden, kStepChannels);
+    const int64_t own_tokens = ceil_div<int64_t>(ceil_div<int64_t>(int64_t(num_tokens) * steps, blocks), steps) + 1;
+    const size_t shared = plan_shared_bytes(L) + sizeof(uint8_t*) + static_cast<size_t>(own_tokens * num_topk) * kOwnEntryBytes;
+    const auto kernel = use_fp8 ? (all_peers_direct ? send_tokens_kernel<true, false> : send_tokens_kernel<true, true>)
+                                : (all_peers_direct ? send_tokens_kernel<false, false> : send_tokens_kernel<false, true>);
+    if (shared > kMaxPrefixSharedBytes)  // past the default limit (many tokens over few blocks): opt in
+        EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
-    launch_kernel(chained_launch_for(L.num_ranks), use_fp8 ? send_tokens_kernel<true> : send_tokens_kernel<false>, blocks, kSmallThreads,
-                  plan_shared_bytes(L), stream, L, h, xb, topk_idx, send_slot, num_tokens, num_topk, round_scale, direct);
+    launch_kernel(chained_launch_for(L.num_ranks), kernel, blocks, kSmallThreads, shared, stream, L, h, xb, topk_idx, send_slot, num_tokens,
+                  num_topk, round_scale, direct);
 }
 
 void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,

@@ -128,9 +128,10 @@ struct DirectReceive {
 };
 
 // `send_slot`: int32 [num_tokens * num_topk]: each entry's slot at its expert (-1: skipped), which the combine reads.
-// `direct`: the outputs when layout.num_ranks == 1 (else ignored).
+// `direct`: the outputs when layout.num_ranks == 1 (else ignored). `all_peers_direct`: as combine_send's.
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
-                   bool use_fp8, bool round_scale, int* send_slot, const DirectReceive& direct, cudaStream_t stream);
+                   bool use_fp8, bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct,
+                   cudaStream_t stream);
 
 // `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the receive kernel spun waiting for each
 // source rank's signals, one add per waited signal: dispatch per (local expert, source rank) count, combine per expert
