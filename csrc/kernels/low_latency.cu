@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     // Items are counted in 32 bits (dispatch_send checks num_tokens * steps): a 64-bit division per item costs more
     // than the item's stores.
     const int64_t items = static_cast<int64_t>(num_tokens) * steps;
-    const int item_begin = static_cast<int>(items * blockIdx.x / gridDim.x), item_end = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
+    const int item_begin = static_cast<int>(items * blockIdx.x / gridDim.x);
+    const int item_end = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
     const int token_begin = item_begin / steps;
     const int token_end = item_end > item_begin ? (item_end - 1) / steps + 1 : token_begin;
     // The own entries follow the counters (send_shared_bytes): messages, experts, slots.
@@ -553,8 +554,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
             if (base + u * kSmallWarps >= item_end) break;  // warp-uniform
-            send_step<kUseFP8, kPuts>(L, h, token[u], step[u], raw[u], lane_expert[u], lane_slot[u], lane_message[u], num_topk, round_scale, lane,
-                               direct, issued_puts);
+            send_step<kUseFP8, kPuts>(L, h, token[u], step[u], raw[u], lane_expert[u], lane_slot[u], lane_message[u], num_topk,
+                                      round_scale, lane, direct, issued_puts);
         }
     }
 #ifdef EP_DISPATCHER_WITH_NVSHMEM
