@@ -113,6 +113,12 @@ __device__ __forceinline__ uint64_t* combine_signals(const Layout& L, const Half
     return reinterpret_cast<uint64_t*>(h.local + L.combine_signal_offset());
 }
 __device__ __forceinline__ uint64_t* acks(const Layout& L, const Half& h) { return reinterpret_cast<uint64_t*>(h.local + L.ack_offset()); }
+// Source rank `source`'s dispatch message at `slot` of local expert `local_expert`, in this half's receive area
+// ([E_local][R][T] messages; a symmetric address: peer_address or a put reaches a peer's copy).
+__device__ __forceinline__ uint8_t* dispatch_message(const Layout& L, const Half& h, int local_expert, int source, int slot) {
+    return h.local + L.recv_offset() +
+           ((static_cast<int64_t>(local_expert) * L.num_ranks + source) * L.max_tokens + slot) * L.dispatch_msg_bytes;
+}
 
 // A profiling stamp (Half::phase_trace, off when null): thread 0 records the global timer at `point` of `kernel`.
 __device__ __forceinline__ void trace_phase(const Half& h, TraceKernel kernel, TracePoint point) {
@@ -212,7 +218,6 @@ size_t prefix_shared_bytes(const Layout& L) {
 
 // The send kernel's per-block plan: count[E], count_after[E] and window_bits[E].
 size_t plan_shared_bytes(const Layout& L) { return 3 * static_cast<size_t>(L.num_experts) * sizeof(int); }
-constexpr size_t kOwnEntryBytes = sizeof(uint8_t*) + 2 * sizeof(int);  // OwnEntries: message, expert, slot
 
 
 // ------------------------------------------------------------------ FP8 cast (bit-exact with ep_dispatcher.fp8)
@@ -312,6 +317,15 @@ __device__ __forceinline__ OwnEntries own_entries_at(int* base, int entries) {
     return own;
 }
 
+// The send kernel's dynamic shared memory: the plan, then (8-byte aligned, as own_entries_at) the own entries of the
+// most tokens one of `blocks` blocks takes: its items span at most this many tokens.
+size_t send_shared_bytes(const Layout& L, int num_tokens, int num_topk, int blocks) {
+    constexpr size_t kOwnEntryBytes = sizeof(uint8_t*) + 2 * sizeof(int);  // OwnEntries: message, expert, slot
+    const int64_t steps = ceil_div(L.hidden, kStepChannels);
+    const int64_t own_tokens = ceil_div<int64_t>(ceil_div<int64_t>(int64_t(num_tokens) * steps, blocks), steps) + 1;
+    return plan_shared_bytes(L) + sizeof(uint8_t*) + static_cast<size_t>(own_tokens * num_topk) * kOwnEntryBytes;
+}
+
 // The send plan, computed by every block of the send kernel for itself (no plan kernel, no grid-wide scan): the
 // slot of each entry of the block's tokens [token_begin, token_end) is its rank among this rank's entries for that
 // expert in token order (as the reference's stable sort), written to send_slot (-1: skipped; the combine reads it)
@@ -364,13 +378,8 @@ __device__ __forceinline__ void plan_block_sends(const Layout& L, const Half& h,
                 own.slot[i * num_topk + k] = slot;
                 uint8_t* message = nullptr;
                 const int pe = e < 0 ? 0 : e / L.num_local_experts;
-                if (e >= 0 && L.num_ranks > 1 && h.peer_base[pe] != 0) {
-                    const int local_expert = e % L.num_local_experts;
-                    message = peer_address(h, h.local + L.recv_offset() +
-                                                  ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) *
-                                                      L.dispatch_msg_bytes,
-                                           pe);
-                }
+                if (e >= 0 && L.num_ranks > 1 && h.peer_base[pe] != 0)
+                    message = peer_address(h, dispatch_message(L, h, e % L.num_local_experts, h.rank, slot), pe);
                 own.message[i * num_topk + k] = message;
             }
         }
@@ -474,9 +483,8 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
         const int slot = __shfl_sync(kFullWarpMask, lane_slot, k);
         const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
         if (slot < 0) continue;  // warp-uniform
-        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-        uint8_t* msg = h.local + L.recv_offset() +
-                       ((static_cast<int64_t>(local_expert) * L.num_ranks + h.rank) * L.max_tokens + slot) * L.dispatch_msg_bytes;
+        const int pe = expert / L.num_local_experts;
+        uint8_t* msg = dispatch_message(L, h, expert % L.num_local_experts, h.rank, slot);
         const int step_channels = min(kStepChannels, H - step * kStepChannels);
         const int64_t step_begin = kHeaderBytes + int64_t(step) * kStepChannels * kBytesPerChannel;
         nvshmemx_putmem_nbi_warp(msg + step_begin, staged + step_begin, static_cast<size_t>(step_channels) * kBytesPerChannel, pe);
@@ -627,8 +635,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
         const int slot = item - start[local_expert];
         const int* b = begin + local_expert * (R + 1);
         const int r = last_at_most(b, R, slot);  // source rank of this slot
-        const uint8_t* msg =
-            h.local + L.recv_offset() + ((static_cast<int64_t>(local_expert) * R + r) * T + (slot - b[r])) * L.dispatch_msg_bytes;
+        const uint8_t* msg = dispatch_message(L, h, local_expert, r, slot - b[r]);
         const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
         // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them after this SM may have cached the lines.
         const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
@@ -893,10 +900,7 @@ void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t*
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
     EP_HOST_ASSERT(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels) <= INT_MAX, "low-latency dispatch: ", num_tokens,
                    " tokens of hidden ", L.hidden, " are too many (the send counts (token, step) items in int32)");
-    // The plan, then the own entries of the most tokens a block takes: its items span at most this many tokens.
-    const int64_t steps = ceil_div(L.hidden, kStepChannels);
-    const int64_t own_tokens = ceil_div<int64_t>(ceil_div<int64_t>(int64_t(num_tokens) * steps, blocks), steps) + 1;
-    const size_t shared = plan_shared_bytes(L) + sizeof(uint8_t*) + static_cast<size_t>(own_tokens * num_topk) * kOwnEntryBytes;
+    const size_t shared = send_shared_bytes(L, num_tokens, num_topk, blocks);
     const auto kernel = use_fp8 ? (all_peers_direct ? send_tokens_kernel<true, false> : send_tokens_kernel<true, true>)
                                 : (all_peers_direct ? send_tokens_kernel<false, false> : send_tokens_kernel<false, true>);
     if (shared > kMaxPrefixSharedBytes)  // past the default limit (many tokens over few blocks): opt in
