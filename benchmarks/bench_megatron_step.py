@@ -43,6 +43,12 @@ the plain steps that wait lands in whichever stage comes first, for every dispat
 every stage starts after ``torch.cuda.synchronize()`` and a ``dist.barrier()``, so its time is the dispatcher's own
 cost (host launch + kernels). Their wall times are not in the step median.
 
+Experts (``--expert-impl``): ``sequential`` is Megatron's SequentialMLP (the local spec's default, host-bound as
+above); ``grouped`` is examples/torch_grouped_experts.py, every local expert in two ``torch._grouped_mm`` calls with
+no host sync, standing in for Megatron's TransformerEngine grouped experts (``TEGroupedMLP``), which this project does
+not rely on. With grouped experts the step is GPU-bound and the ranks stay in step, so the plain stage times are
+the dispatchers' own. Same experts for every row.
+
 Process group: NCCL with one GPU per rank; gloo on CPU and when several ranks share one GPU (NCCL refuses that).
 gloo has no CUDA all_gather_into_tensor / reduce_scatter_tensor, which Megatron's allgather dispatcher calls, so in
 that case this script stages those calls through host memory (see ``enable_host_staging``) and says so: that makes

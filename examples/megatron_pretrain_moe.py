@@ -18,6 +18,8 @@ ep_dispatcher.install_as_deep_ep() alone (our plugin uninstalled for that run), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import sys
 import time
@@ -34,6 +36,20 @@ DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # fp32: summation order only; 
 
 
 FLEX_SWITCH = "flex"  # Megatron's own flex dispatcher through install_as_deep_ep()
+
+
+def _with_grouped_experts(moe_spec):
+    """The MoE layer's spec with examples/torch_grouped_experts.py's experts in place of SequentialMLP."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this example's folder
+    from torch_grouped_experts import TorchGroupedMLP
+
+    if isinstance(moe_spec, functools.partial):  # newer megatron-core: partial(MoELayer, submodules=MoESubmodules)
+        submodules = dataclasses.replace(moe_spec.keywords["submodules"], experts=TorchGroupedMLP)
+        return functools.partial(moe_spec.func, *moe_spec.args, **{**moe_spec.keywords, "submodules": submodules})
+    from megatron.core.transformer.spec_utils import ModuleSpec  # older: ModuleSpec(MoELayer, MoESubmodules)
+
+    moe_spec.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
+    return moe_spec
 
 
 def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
@@ -64,11 +80,14 @@ def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
         use_cpu_initialization=True,
     )
     torch.manual_seed(args.seed)  # same dense weights on every rank and for both dispatchers
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    if getattr(args, "expert_impl", "sequential") == "grouped":
+        layer_spec.submodules.mlp = _with_grouped_experts(layer_spec.submodules.mlp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = GPTModel(
             config,
-            get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False),
+            layer_spec,
             vocab_size=args.vocab,
             max_sequence_length=args.seq,
         )
@@ -230,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--tolerance", type=float, default=None, help="max |loss difference| accepted")
+    parser.add_argument(
+        "--expert-impl",
+        choices=("sequential", "grouped"),
+        default="sequential",
+        help="local experts: Megatron's SequentialMLP (a GEMM per expert, token counts read on the host) or "
+        "examples/torch_grouped_experts.py (two torch._grouped_mm for all of them, no host sync)",
+    )
     parser.add_argument(
         "--flex-switch",
         action="store_true",

@@ -109,13 +109,16 @@ build_deepep() {
 # Issue 21: the three rows in one call, same model/weights/data, each row in its own processes (the benchmark
 # spawns them one after another). Shape (MoE-dominated, fine-grained experts): 1 layer, hidden 4096, 32 heads,
 # 64 experts of FFN 1024, top-8, 4096 tokens/rank (seq 1024 x 4), bf16. EP_MEGATRON_RANKS="2 4" by default.
+# Experts: EP_MEGATRON_EXPERT_IMPL=grouped (default; examples/torch_grouped_experts.py, no host sync) or sequential
+# (Megatron's SequentialMLP: host-bound, the ranks' drift lands in the first collective after it).
 megatron_rows() {
     build_deepep || { rc=1; return; }
     for r in ${EP_MEGATRON_RANKS:-2 4}; do
         bench "${EP_MEGATRON_TIMEOUT:-420}" benchmarks/bench_megatron_step.py --device cuda --ranks "$r" \
             --rows "${EP_MEGATRON_ROWS:-ours,flex_deepep,flex_switch,ours_unfused}" \
             --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 \
-            --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --steps ${EP_MEGATRON_STEPS:-8} --warmup 8 --isolated-steps 3 \
+            --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --expert-impl "${EP_MEGATRON_EXPERT_IMPL:-grouped}" \
+            --steps ${EP_MEGATRON_STEPS:-8} --warmup 8 --isolated-steps 3 \
             --row-timeout 120 --profile-dir "$OUT/megatron_profile_$r" --out "$OUT/bench_megatron_rows_$r.json"
     done
 }
