@@ -153,3 +153,19 @@ def test_profile_low_latency_phase_summary():
     assert phases["arrival"] == (1.0, 2.0, 2)
     assert phases["signals"] == (6.0, 6.0, 1)
     assert profile._phase_summary(torch.zeros(2, 6, dtype=torch.int64)) == {}
+
+
+def test_profile_low_latency_pair_period():
+    """profile_low_latency's time per pair: the median gap between consecutive sends, so a stale kernel from before
+    the profiled window or a dropped one does not double it (it did in run X1)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        profile = pytest.importorskip("profile_low_latency")
+    finally:
+        sys.path.pop(0)
+    steady = [1000.0 + 215.0 * i for i in range(16)]
+    assert profile.pair_period_us(steady) == 215.0
+    assert profile.pair_period_us([-800000.0, *steady[1:]]) == 215.0  # a stale first send
+    assert profile.pair_period_us(steady[:7] + steady[8:]) == 215.0  # one send not reported
+    assert profile.pair_period_us(steady[:1]) == 0.0
