@@ -21,6 +21,8 @@ ranks of one row, writes raw JSON, and the parent merges the rows, so the real `
 
 A step is forward, backward, gradient all-reduce and Adam, timed on the wall clock with the device synchronised at
 both ends; the table shows the median over --steps steps after --warmup, taking the slowest rank of each step.
+"w/o AR" is the same step less the all-reduce of the dense gradients (timed between device syncs): with several
+ranks on one GPU it goes through host memory (gloo), costs the same for every row and is most of the step.
 
 MoE stage breakdown: every ``MoETokenDispatcher`` of the model (ours and Megatron's flex dispatcher implement the
 same six stage methods, which ``MoELayer`` calls) is wrapped per instance (``StageTimer.wrap_model``):
@@ -410,8 +412,16 @@ def _worker(rank: int, world: int, args) -> dict:
         on_step = _profile_one_step(timer.end_step, args.warmup, os.path.join(args.profile_dir, f"profile_{row}.txt"))
     staged_calls.clear()
     step_s: list[float] = []
+    allreduce_s: list[float] = []
     losses = example.train(
-        run_args, DISPATCHER_TYPE[row], rank, device, step_s, on_model=timer.wrap_model, on_step=on_step
+        run_args,
+        DISPATCHER_TYPE[row],
+        rank,
+        device,
+        step_s,
+        on_model=timer.wrap_model,
+        on_step=on_step,
+        allreduce_times=allreduce_s,
     )
     result = {
         "device": str(device),
@@ -419,6 +429,7 @@ def _worker(rank: int, world: int, args) -> dict:
         "shim": shim,
         "losses": losses,
         "step_s": step_s,
+        "allreduce_s": allreduce_s,
         "stages": timer.per_step,
         "staged_calls": dict(staged_calls),
         "buffer": _buffer_info(row),
@@ -486,6 +497,11 @@ def _summarise_row(args, ranks: list[dict]) -> dict:
     num_steps = args.warmup + args.steps
     slowest = [max(r["step_s"][i] for r in ranks) for i in range(num_steps)]
     median_s = statistics.median(slowest[args.warmup :])
+    # The step without the dense gradients' all-reduce: on one GPU that goes through host memory (gloo), costs the
+    # same for every row and dominates the step; per step the slowest rank of (step - all-reduce).
+    compute_ms = 1e3 * _median_of_slowest(
+        [[t - a for t, a in zip(r["step_s"], r["allreduce_s"])][:num_steps] for r in ranks], args.warmup
+    )
     moe_ms, stages = _stage_medians(ranks, slice(args.warmup, num_steps))
     isolated = {}
     if args.isolated_steps > 0:
@@ -495,6 +511,7 @@ def _summarise_row(args, ranks: list[dict]) -> dict:
         "median_step_ms": median_s * 1e3,
         "tokens_per_s": args.ranks * args.tokens / median_s,
         "step_ms": [t * 1e3 for t in slowest],
+        "median_step_without_allreduce_ms": compute_ms,
         "moe_ms": moe_ms,
         "stages_ms": stages,
         **isolated,
@@ -534,6 +551,7 @@ def _summarise(args, rows: dict) -> dict:
         summary["max_loss_diff"] = max(summary["max_loss_diff"], d["max_loss_diff"])
         summary["ratios_vs_reference"][name] = {
             "step": d["median_step_ms"] / ref["median_step_ms"],
+            "step_without_allreduce": d["median_step_without_allreduce_ms"] / ref["median_step_without_allreduce_ms"],
             "moe": d["moe_ms"] / ref["moe_ms"] if ref["moe_ms"] > 0 else None,
         }
         if ref.get("moe_isolated_ms"):
@@ -558,9 +576,11 @@ def _print(args, s: dict) -> None:
         print("  CPU run: collectives are gloo on host tensors; CPU timings say nothing about GPUs")
     print(
         f"  step = forward + backward + gradient all-reduce + Adam; median of {args.steps} steps after {args.warmup} "
-        "warm-up, slowest rank per step; stage times (ms, fwd/bwd) by events around the token dispatcher's methods"
+        "warm-up, slowest rank per step; 'w/o AR' = the step less the dense gradients' all-reduce (through host "
+        "memory on one GPU, the same for every row); stage times (ms, fwd/bwd) by events around the token "
+        "dispatcher's methods"
     )
-    header = f"  {'row':12s} {'step ms':>9s} {'moe ms':>8s}"
+    header = f"  {'row':12s} {'step ms':>9s} {'w/o AR':>8s} {'moe ms':>8s}"
     for label in MOE_STAGES:
         header += f" {label + ' f/b':>16s}"
     print(header)
@@ -568,7 +588,9 @@ def _print(args, s: dict) -> None:
         if "error" in d:
             print(f"  {name:12s} FAILED: {d['error']}")
             continue
-        line = f"  {name:12s} {d['median_step_ms']:9.2f} {d['moe_ms']:8.2f}"
+        line = (
+            f"  {name:12s} {d['median_step_ms']:9.2f} {d['median_step_without_allreduce_ms']:8.2f} {d['moe_ms']:8.2f}"
+        )
         for label in MOE_STAGES:
             st = d["stages_ms"][label]
             line += f" {st['fwd']:7.2f}/{st['bwd']:<8.2f}"
@@ -582,7 +604,7 @@ def _print(args, s: dict) -> None:
         for name, d in s["dispatchers"].items():
             if "error" in d:
                 continue
-            line = f"  {name:12s} {'':>9s} {d['moe_isolated_ms']:8.2f}"
+            line = f"  {name:12s} {'':>9s} {'':>8s} {d['moe_isolated_ms']:8.2f}"
             for label in MOE_STAGES:
                 st = d["stages_isolated_ms"][label]
                 line += f" {st['fwd']:7.2f}/{st['bwd']:<8.2f}"
@@ -595,7 +617,10 @@ def _print(args, s: dict) -> None:
     for name, ratio in s["ratios_vs_reference"].items():
         moe = f"{ratio['moe']:.2f}x" if ratio["moe"] is not None else "-"
         isolated = f", moe isolated {ratio['moe_isolated']:.2f}x" if "moe_isolated" in ratio else ""
-        print(f"  {name} / {s['loss_reference']}: step {ratio['step']:.2f}x, moe {moe}{isolated}")
+        print(
+            f"  {name} / {s['loss_reference']}: step {ratio['step']:.2f}x, step w/o AR "
+            f"{ratio['step_without_allreduce']:.2f}x, moe {moe}{isolated}"
+        )
     names = [n for n, d in s["dispatchers"].items() if "error" not in d]
     if names:
         print("  losses per step: " + "  ".join(f"{n:>12s}" for n in names))

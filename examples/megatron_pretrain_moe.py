@@ -131,9 +131,11 @@ def train(
     step_times: list | None = None,
     on_model=None,
     on_step=None,
+    allreduce_times: list | None = None,
 ) -> list[float]:
     """Train ``args.steps`` steps; returns the global mean loss per step. With ``step_times``, appends each step's
-    wall time in seconds (forward, backward, gradient all-reduce, Adam; the device synchronised at both ends).
+    wall time in seconds (forward, backward, gradient all-reduce, Adam; the device synchronised at both ends). With
+    ``allreduce_times``, appends the gradient all-reduce's share of it (the device synchronised before it too).
     ``on_model(model)`` runs once after the model is built (benchmarks wrap its token dispatchers there);
     ``on_step(step)`` after each step, once the device is synchronised."""
     from megatron.core import parallel_state
@@ -154,7 +156,13 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss = model(input_ids, position_ids, attention_mask, labels=labels).float().mean()
         loss.backward()
+        if allreduce_times is not None:
+            _sync(device)
+            allreduce_start = time.perf_counter()
         _sync_grads(model)
+        if allreduce_times is not None:
+            _sync(device)
+            allreduce_times.append(time.perf_counter() - allreduce_start)
         optimizer.step()
         _sync(device)
         if step_times is not None:
