@@ -103,19 +103,25 @@ def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
 
 def _sync_grads(model) -> None:
     """Average gradients like Megatron's DDP: dense weights over the data-parallel group, experts over the
-    expert-data-parallel group (size world / EP)."""
+    expert-data-parallel group (size world / EP). One all-reduce per group and dtype over the flattened gradients, as
+    DDP's buckets: per-parameter calls cost a collective each (on gloo with CUDA tensors, two copies each)."""
     from megatron.core import parallel_state
 
     dense_group = parallel_state.get_data_parallel_group()
     expert_group = parallel_state.get_expert_data_parallel_group()
+    buckets: dict = {}
     for param in model.parameters():
         if param.grad is None:
             continue
         group = dense_group if getattr(param, "allreduce", True) else expert_group
-        size = dist.get_world_size(group)
-        if size > 1:
-            dist.all_reduce(param.grad, group=group)
-            param.grad.div_(size)
+        if dist.get_world_size(group) > 1:
+            buckets.setdefault((id(group), param.grad.dtype), (group, []))[1].append(param.grad)
+    for group, grads in buckets.values():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat.div_(dist.get_world_size(group))
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
 
 
 def _sync(device: torch.device) -> None:
