@@ -169,3 +169,13 @@ def test_profile_low_latency_pair_period():
     assert profile.pair_period_us([-800000.0, *steady[1:]]) == 215.0  # a stale first send
     assert profile.pair_period_us(steady[:7] + steady[8:]) == 215.0  # one send not reported
     assert profile.pair_period_us(steady[:1]) == 0.0
+
+
+def test_profile_layout_needs_a_gpu():
+    """benchmarks/profile_layout.py refuses to start without a GPU, with a clear message (and its --help works)."""
+    script = os.path.join(REPO, "benchmarks", "profile_layout.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "--impl" in done.stdout
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
