@@ -40,7 +40,9 @@ FLEX_SWITCH = "flex"  # Megatron's own flex dispatcher through install_as_deep_e
 
 def _with_grouped_experts(moe_spec):
     """The MoE layer's spec with examples/torch_grouped_experts.py's experts in place of SequentialMLP."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this example's folder
+    folder = os.path.dirname(os.path.abspath(__file__))  # this example's, which holds the module
+    if folder not in sys.path:  # build_model runs once per dispatcher: add it once
+        sys.path.insert(0, folder)
     from torch_grouped_experts import TorchGroupedMLP
 
     if isinstance(moe_spec, functools.partial):  # newer megatron-core: partial(MoELayer, submodules=MoESubmodules)

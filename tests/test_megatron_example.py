@@ -74,7 +74,10 @@ def test_grouped_experts_match_a_loop_over_experts():
     import torch
 
     sys.path.insert(0, os.path.dirname(EXAMPLE))
-    from torch_grouped_experts import TorchGroupedMLP
+    try:
+        from torch_grouped_experts import TorchGroupedMLP
+    finally:
+        sys.path.pop(0)
 
     torch.manual_seed(3)
     config = types.SimpleNamespace(
