@@ -24,6 +24,7 @@
 
 #include "kernels/layout.cuh"
 #include "kernels/logfmt.cuh"
+#include "kernels/pending_kernels.h"
 #include "runtime/nvshmem_runtime.h"
 #include "runtime/timeout_record.h"
 
@@ -189,4 +190,6 @@ Raises ValueError for bad arguments, RuntimeError for CUDA errors.)doc");
           "The first timed-out wait of this process (rank, peer, stage, epoch), read from host memory: it survives the "
           "trap that faults the CUDA context. Empty if no wait timed out.");
     m.def("cuda_arch_list", &ep::cuda_arch_list, "CUDA architectures compiled in, ';'-separated (e.g. \"90\" or \"90;90a;100\").");
+    m.def("pending_kernels_enabled", &ep::pending_kernels_enabled,
+          "Whether this process runs the kernels that await GPU verification (EP_DISPATCHER_PENDING_KERNELS=1, read once).");
 }

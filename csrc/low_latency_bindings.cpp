@@ -85,9 +85,11 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
     // want); send_slot int32 [num_tokens * num_topk] is each (token, k) entry's slot at its expert (-1: skipped), which the
     // combine reads; src_info [E_local, R * T] int32 and layout_range [E_local, R] int64 are the handle's tensors. The
     // receive phase (receive()) fills recv_x, recv_scales, recv_count, src_info and layout_range.
+    // `receive_now`: the caller runs receive() right away (no hook), so both phases may be one kernel
+    // (low_latency::dispatch_in_one_kernel); receive() then launches nothing.
     py::tuple dispatch_send(int64_t half_index, const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
-                            bool use_fp8, bool round_scale, bool use_ue8m0, const OptTensor& cumulative_stats,
-                            const OptTensor& wait_stats) {
+                            bool use_fp8, bool round_scale, bool use_ue8m0, const OptTensor& cumulative_stats, const OptTensor& wait_stats,
+                            bool receive_now) {
         at::Tensor recv_x, recv_scales_storage, recv_count, send_slot, src_info, layout_range;
         LowLatencyReceive receive;
         {
@@ -116,22 +118,38 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
             src_info = at::empty({L.num_local_experts, num_slots}, int_options);
             layout_range = at::empty({L.num_local_experts, int64_t(num_ranks_)}, topk_idx.options());
             void* scales_out = recv_scales_storage.defined() ? recv_scales_storage.data_ptr() : nullptr;
-            const low_latency::DirectReceive direct{recv_x.data_ptr(), scales_out, src_info.data_ptr<int>(), use_ue8m0};
-            low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
-                                       num_direct_peers_ == num_ranks_, send_slot.data_ptr<int>(), direct, stream());
-            // The receive phase, bound now: the hook's call converts no arguments. It holds the buffer (shared_ptr), so a
-            // hook run after destroy() raises (half() checks base_) instead of touching freed memory.
-            auto self = shared_from_this();
-            receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, recv_x, recv_scales_storage,
-                                         src_info, layout_range, recv_count, cumulative_stats, wait_stats] {
-                const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
-                const auto L = self->layout(max_tokens, num_experts, hidden);
-                low_latency::dispatch_recv(L, self->half(half_index, L), use_fp8, use_ue8m0, recv_x.data_ptr(),
-                                           recv_scales_storage.defined() ? recv_scales_storage.data_ptr() : nullptr,
-                                           src_info.data_ptr<int>(), layout_range.data_ptr<int64_t>(), recv_count.data_ptr<int>(),
-                                           cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
-                                           wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr, self->stream());
-            });
+            const low_latency::ReceiveOutputs outputs{recv_x.data_ptr(),
+                                                      scales_out,
+                                                      src_info.data_ptr<int>(),
+                                                      layout_range.data_ptr<int64_t>(),
+                                                      recv_count.data_ptr<int>(),
+                                                      cumulative_stats ? cumulative_stats->data_ptr<int>() : nullptr,
+                                                      wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr};
+            const bool all_direct = num_direct_peers_ == num_ranks_;
+            if (receive_now && low_latency::dispatch_in_one_kernel(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk,
+                                                                   use_fp8, round_scale, use_ue8m0, all_direct, send_slot.data_ptr<int>(),
+                                                                   outputs, stream())) {
+                receive = LowLatencyReceive([] {});  // received in the same kernel
+            } else {
+                low_latency::DirectReceive direct{recv_x.data_ptr(), scales_out, src_info.data_ptr<int>(), use_ue8m0, nullptr, nullptr,
+                                                  nullptr};
+                if (low_latency::one_rank_fused(L)) {  // the send kernel writes the receive's outputs too
+                    direct.recv_count = outputs.recv_count;
+                    direct.layout_range = outputs.layout_range;
+                    direct.cumulative_stats = outputs.cumulative_stats;
+                }
+                low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
+                                           all_direct, send_slot.data_ptr<int>(), direct, stream());
+                // The receive phase, bound now: the hook's call converts no arguments. It holds the buffer (shared_ptr) and
+                // the outputs, so a hook run after destroy() raises (half() checks base_) instead of touching freed memory.
+                auto self = shared_from_this();
+                receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, use_fp8, use_ue8m0, outputs, recv_x,
+                                             recv_scales_storage, src_info, layout_range, recv_count, cumulative_stats, wait_stats] {
+                    const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
+                    const auto L = self->layout(max_tokens, num_experts, hidden);
+                    low_latency::dispatch_recv(L, self->half(half_index, L), use_fp8, use_ue8m0, outputs, self->stream());
+                });
+            }
         }
         py::object recv_scales = py::none();
         if (recv_scales_storage.defined()) {
@@ -146,10 +164,10 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
     }
 
     // Launches the send phase of a combine and allocates `out` [num_tokens, hidden] bf16 unless given: returns (out,
-    // receive); receive() writes out (the receive phase).
+    // receive); receive() writes out (the receive phase). `receive_now`: as dispatch_send's.
     py::tuple combine_send(int64_t half_index, const at::Tensor& x, const at::Tensor& layout_range, int64_t max_tokens, int64_t num_experts,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& send_slot,
-                           const OptTensor& out_arg, const OptTensor& wait_stats) {
+                           const OptTensor& out_arg, const OptTensor& wait_stats, bool receive_now) {
         at::Tensor out;
         LowLatencyReceive receive;
         {
@@ -165,18 +183,27 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
             const auto L = layout(max_tokens, num_experts, hidden);
             const auto h = half(half_index, L);
             const bool staged = x.data_ptr() == static_cast<void*>(h.local + L.send_offset());
-            low_latency::combine_send(L, h, x.data_ptr(), staged, num_direct_peers_ == num_ranks_, layout_range.data_ptr<int64_t>(),
-                                      stream());
-            auto self = shared_from_this();
-            receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, topk_idx, topk_weights, send_slot, out,
-                                         wait_stats] {
-                const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
-                const auto L = self->layout(max_tokens, num_experts, hidden);
-                low_latency::combine_recv(L, self->half(half_index, L), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
-                                          send_slot.data_ptr<int>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
-                                          out.data_ptr(), self->max_blocks_, wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr,
-                                          self->stream());
-            });
+            const bool all_direct = num_direct_peers_ == num_ranks_;
+            const low_latency::ReduceArgs args{topk_idx.data_ptr<int64_t>(),
+                                               topk_weights.data_ptr<float>(),
+                                               send_slot.data_ptr<int>(),
+                                               static_cast<int>(topk_idx.size(0)),
+                                               static_cast<int>(topk_idx.size(1)),
+                                               out.data_ptr(),
+                                               wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr};
+            if (receive_now && low_latency::combine_in_one_kernel(L, h, x.data_ptr(), staged, all_direct, layout_range.data_ptr<int64_t>(),
+                                                                  args, max_blocks_, stream())) {
+                receive = LowLatencyReceive([] {});  // reduced in the same kernel
+            } else {
+                low_latency::combine_send(L, h, x.data_ptr(), staged, all_direct, layout_range.data_ptr<int64_t>(), stream());
+                auto self = shared_from_this();
+                receive = LowLatencyReceive([self, half_index, max_tokens, num_experts, hidden, args, staged, topk_idx, topk_weights, send_slot,
+                                             out, wait_stats] {
+                    const c10::cuda::CUDAGuard guard(self->device_);  // launch on the buffer's device whatever is current
+                    const auto L = self->layout(max_tokens, num_experts, hidden);
+                    low_latency::combine_recv(L, self->half(half_index, L), args, staged, self->max_blocks_, self->stream());
+                });
+            }
         }
         return py::make_tuple(out, std::move(receive));
     }

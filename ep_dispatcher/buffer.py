@@ -816,6 +816,7 @@ class Buffer:
                 half,
                 cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats,
+                receive_now=not return_recv_hook,
             )
         )
         hook = self._ll.make_hook(receive, return_recv_hook, half, handle)
@@ -901,7 +902,16 @@ class Buffer:
         half = self._ll.take_half()
         # Without `out`, the backend allocates it (the CUDA engine in the C++ call that launches the send phase).
         out, receive = self._backend.low_latency_combine(
-            LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, half, combine_wait_recv_cost_stats, out)
+            LowLatencyCombineArgs(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                half,
+                combine_wait_recv_cost_stats,
+                out,
+                receive_now=not return_recv_hook,
+            )
         )
         hook = self._ll.make_hook(receive, return_recv_hook, half)
         self._ll.raise_reported_error(hook)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +84,17 @@ def test_extension_does_not_link_libcuda():
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic_section)
     assert needed, dynamic_section
     assert not [lib for lib in needed if lib.startswith("libcuda.so")], needed
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("yes", False), ("1", True)])
+def test_pending_kernels_switch_is_off_unless_asked_for(value, expected):
+    """Kernels that have not yet run on a GPU replace their predecessors only with EP_DISPATCHER_PENDING_KERNELS=1
+    exactly (kernels/pending_kernels.h); the C++ side reads it once per process, so each case is a fresh process."""
+    _extension_module()
+    env = {k: v for k, v in os.environ.items() if k != "EP_DISPATCHER_PENDING_KERNELS"}
+    if value is not None:
+        env["EP_DISPATCHER_PENDING_KERNELS"] = value
+    code = "import ep_dispatcher._C as C; print(C.pending_kernels_enabled())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected)

@@ -8,11 +8,15 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/common.cuh"
 #include "kernels/constants.h"
 #include "kernels/copy.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/pending_kernels.h"
 #include "kernels/sync.cuh"
 
 namespace ep::low_latency {
@@ -148,18 +152,23 @@ __device__ __forceinline__ bool arrive_last(const Layout& L, unsigned int* count
     return L.num_ranks == 1 ? sync::arrive_last<false>(counter) : sync::arrive_last<true>(counter);
 }
 
-// End of a receive kernel: the last block to finish advances the half's epoch and tells every sender that this rank
-// has read the half.
-__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch, TraceKernel kernel) {
-    trace_phase(h, kernel, kTraceMoved);
-    const bool last = arrive_last(L, &h.state->arrived[h.half]);
-    trace_phase(h, kernel, kTraceArrived);
-    if (!last) return;
+// Run by the last block of a call's receive: the half's epoch advances and every sender learns that this rank has
+// read the half.
+__device__ __forceinline__ void acknowledge_half(const Layout& L, const Half& h, unsigned long long epoch) {
     if (threadIdx.x == 0) h.state->epoch[h.half] = epoch;
     for (int pe = threadIdx.x; pe < L.num_ranks; pe += blockDim.x) {
         signal_peer(L, h, acks(L, h) + h.rank, make_signal(epoch, 0), pe);
         quiet_puts(h, pe);
     }
+}
+
+// End of a receive kernel: the last block to finish acknowledges the half.
+__device__ void finish_receive(const Layout& L, const Half& h, unsigned long long epoch, TraceKernel kernel) {
+    trace_phase(h, kernel, kTraceMoved);
+    const bool last = arrive_last(L, &h.state->arrived[h.half]);
+    trace_phase(h, kernel, kTraceArrived);
+    if (!last) return;
+    acknowledge_half(L, h, epoch);
     trace_phase(h, kernel, kTraceSignaled);
 }
 
@@ -505,17 +514,32 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
     }
 }
 
+// one_rank_fused: the receive's outputs from the plan's totals (count[e], every block's). Block 0 writes the counts,
+// ranges and stats; every block marks its share of the unused slots (slot >= count: the send stores the used ones'
+// sources, so the two never meet).
+__device__ __forceinline__ void publish_lone_receive(const Layout& L, const DirectReceive& d, const int* count) {
+    const int E = L.num_experts, T = L.max_tokens;
+    if (blockIdx.x == 0) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            d.recv_count[e] = count[e];
+            d.layout_range[e] = count[e];  // (first slot 0) << 32 | count
+            if (d.cumulative_stats != nullptr) d.cumulative_stats[e] += count[e];
+        }
+    }
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E) * T; i += num_threads)
+        if (i % T >= count[i / T]) d.src_info[i] = -1;
+}
+
 // Token-parallel send: each block takes a contiguous range of (token, step) items, so its tokens are few and adjacent,
 // plans their slots (plan_block_sends), then a warp per item, kSendBatch items' loads in flight. Each token row is read
 // once and each step cast once, then stored into its slots. The last block to finish signals every expert's count
 // (after all blocks' writes, see arrive_last).
+// Returns the call's epoch; every block returns (send_and_receive_kernel goes on to receive).
 template <bool kUseFP8, bool kPuts>
-__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
-    send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
-                       int num_topk, bool round_scale, DirectReceive direct) {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-    extern __shared__ __align__(16) int plan_shared[];
+__device__ __forceinline__ unsigned long long send_tokens(const Layout& L, const Half& h, const __nv_bfloat16* x, const int64_t* topk_idx,
+                                                          int* send_slot, int num_tokens, int num_topk, bool round_scale,
+                                                          const DirectReceive& direct, int* plan_shared) {
     int* count = plan_shared;                                                              // [E]
     int* count_after = plan_shared + L.num_experts;                                        // [E]
     unsigned* window_bits = reinterpret_cast<unsigned*>(plan_shared + 2 * L.num_experts);  // [E]
@@ -534,6 +558,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     const OwnEntries own = own_entries_at(plan_shared + 3 * L.num_experts, own_entries);
     // The plan needs nothing from the peers: it runs before the wait for their acks.
     plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits, own);
+    const bool fused_receive = L.num_ranks == 1 && direct.recv_count != nullptr;  // one_rank_fused
+    if (fused_receive) publish_lone_receive(L, direct, count);
     trace_phase(h, kTraceSend, kTracePrepared);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
@@ -579,40 +605,47 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     trace_phase(h, kTraceSend, kTraceMoved);
     const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceSend, kTraceArrived);
-    if (!last) return;
-    for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
-        const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
-        signal_peer(L, h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
-                    make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
-        quiet_puts(h, pe);
+    if (!last) return epoch;
+    if (fused_receive) {  // no receive kernel reads the counts: this one ends the call as that did
+        acknowledge_half(L, h, epoch);
+    } else {
+        for (int expert = threadIdx.x; expert < L.num_experts; expert += blockDim.x) {
+            const int pe = expert / L.num_local_experts, local_expert = expert % L.num_local_experts;
+            signal_peer(L, h, dispatch_signals(L, h) + local_expert * L.num_ranks + h.rank,
+                        make_signal(epoch, static_cast<uint32_t>(count[expert])), pe);
+            quiet_puts(h, pe);
+        }
     }
     trace_phase(h, kTraceSend, kTraceSignaled);
+    return epoch;
 }
 
-// Every block waits for all counts and builds the prefixes; then a warp per received message (all experts' messages
-// numbered one after another, spread over the grid) copies it to its packed place: source ranks ascending, token order
-// inside a source. Block 0 writes the counts and the handle's ranges; all blocks mark the unused slots.
-template <bool kUseFP8, bool kUE8M0>
-__global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, void* recv_x, void* recv_scales, int* src_info,
-                                                                  int64_t* layout_range, int* recv_count, int* cumulative_stats,
-                                                                  int64_t* wait_stats) {
+template <bool kUseFP8, bool kPuts>
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_tokens_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
+                       int num_topk, bool round_scale, DirectReceive direct) {
     wait_for_previous_kernel();
     let_next_kernel_start();
-    extern __shared__ int prefix[];
-    __shared__ unsigned long long epoch_shared;
+    extern __shared__ __align__(16) int plan_shared[];
+    send_tokens<kUseFP8, kPuts>(L, h, x, topk_idx, send_slot, num_tokens, num_topk, round_scale, direct, plan_shared);
+}
+
+// Every block waits for all counts and builds the prefixes (in `prefix`, prefix_shared_bytes); then a warp per received
+// message (all experts' messages numbered one after another, spread over the grid, whatever its block size) copies it to
+// its packed place: source ranks ascending, token order inside a source. Block 0 writes the counts and the handle's
+// ranges; all blocks mark the unused slots.
+template <bool kUseFP8, bool kUE8M0>
+__device__ __forceinline__ void receive_messages(const Layout& L, const Half& h, unsigned long long epoch, int* prefix, const ReceiveOutputs& o) {
     const int R = L.num_ranks, T = L.max_tokens, H = L.hidden, E_local = L.num_local_experts;
     const int num_slots = R * T;
     int* begin = prefix;
     int* start = prefix + E_local * (R + 1);
-    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
-    __syncthreads();
     trace_phase(h, kTraceReceive, kTraceStart);
-    const unsigned long long epoch = epoch_shared;
     // Every block waits for every count; block 0's waits are the ones recorded: one per (local expert, source rank), as
     // DeepEP adds one per (expert, source) it waits for.
     build_prefixes(L, begin, start, [&](int pair) {
         const uint64_t v = wait_signal_timed(dispatch_signals(L, h) + pair, epoch, h, sync::kStageLowLatencyDispatchRecv, pair % R,
-                                             h.rank * E_local + pair / R, wait_stats, blockIdx.x == 0);
+                                             h.rank * E_local + pair / R, o.wait_stats, blockIdx.x == 0);
         return static_cast<int>(v & 0xffffffffu);
     });
     trace_phase(h, kTraceReceive, kTracePrepared);
@@ -620,24 +653,24 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     if (blockIdx.x == 0) {
         for (int le = threadIdx.x; le < E_local; le += blockDim.x) {
             const int total = begin[le * (R + 1) + R];
-            recv_count[le] = total;
-            if (cumulative_stats != nullptr) cumulative_stats[le] += total;
+            o.recv_count[le] = total;
+            if (o.cumulative_stats != nullptr) o.cumulative_stats[le] += total;
         }
         for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
             const int* b = begin + (pair / R) * (R + 1) + pair % R;
-            layout_range[pair] = (static_cast<int64_t>(b[0]) << 32) | static_cast<int64_t>(b[1] - b[0]);
+            o.layout_range[pair] = (static_cast<int64_t>(b[0]) << 32) | static_cast<int64_t>(b[1] - b[0]);
         }
     }
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E_local) * num_slots;
          i += num_threads)
-        if (i % num_slots >= begin[(i / num_slots) * (R + 1) + R]) src_info[i] = -1;
+        if (i % num_slots >= begin[(i / num_slots) * (R + 1) + R]) o.src_info[i] = -1;
 
-    const int lane = threadIdx.x % kWarpSize;
+    const int lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
     const int groups = H / kFp8GroupSize;
     const int64_t row_bytes = kUseFP8 ? H : 2 * H;
     const int items = R == 1 ? 0 : start[E_local];  // one rank alone: its send kernel stored the rows in place
-    for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kWarps) {
+    for (int item = blockIdx.x * warps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * warps) {
         const int local_expert = last_at_most(start, E_local, item);
         const int slot = item - start[local_expert];
         const int* b = begin + local_expert * (R + 1);
@@ -646,9 +679,9 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
         const int64_t out_row = static_cast<int64_t>(local_expert) * num_slots + slot;
         // Received bytes are read with ld.global.cg (L2, not L1): peers wrote them after this SM may have cached the lines.
         const int4* in = reinterpret_cast<const int4*>(msg + kHeaderBytes);
-        int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(recv_x) + out_row * row_bytes);
+        int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(o.recv_x) + out_row * row_bytes);
         warp_copy_batched(row_bytes / 16, lane, [&](int64_t i) { return __ldcg(in + i); }, [&](int64_t i, const int4& v) { out[i] = v; });
-        if (lane == 0) src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
+        if (lane == 0) o.src_info[out_row] = __ldcg(reinterpret_cast<const int*>(msg));
         if constexpr (kUseFP8) {
             const float* scales = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
             // Scales are stored group-major ([E_local, groups, num_slots]) and returned as a transposed view.
@@ -657,17 +690,44 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
                     uint32_t packed = 0;
 #pragma unroll
                     for (int b4 = 0; b4 < 4; ++b4) packed |= ue8m0_exponent(__ldcg(scales + 4 * word + b4)) << (8 * b4);
-                    static_cast<uint32_t*>(recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] =
+                    static_cast<uint32_t*>(o.recv_scales)[(static_cast<int64_t>(local_expert) * (groups / 4) + word) * num_slots + slot] =
                         packed;
                 }
             } else {
                 for (int g = lane; g < groups; g += kWarpSize)
-                    static_cast<float*>(recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] =
+                    static_cast<float*>(o.recv_scales)[(static_cast<int64_t>(local_expert) * groups + g) * num_slots + slot] =
                         __ldcg(scales + g);
             }
         }
     }
     finish_receive(L, h, epoch, kTraceReceive);
+}
+
+template <bool kUseFP8, bool kUE8M0>
+__global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half h, ReceiveOutputs o) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    extern __shared__ int prefix[];
+    __shared__ unsigned long long epoch_shared;
+    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
+    __syncthreads();
+    receive_messages<kUseFP8, kUE8M0>(L, h, epoch_shared, prefix, o);
+}
+
+// One dispatch in one kernel (send_and_receive_kernel): the send, then, in every block, the receive. Every block of
+// every rank's kernel is resident (the grid stays within max_blocks, as each kernel's does), so a block that waits for
+// the counts never holds an SM that a block still to send needs. Saves a launch and a kernel boundary per call.
+template <bool kUseFP8, bool kPuts, bool kUE8M0>
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_and_receive_kernel(Layout L, Half h, const __nv_bfloat16* x, const int64_t* topk_idx, int* send_slot, int num_tokens,
+                            int num_topk, bool round_scale, DirectReceive direct, ReceiveOutputs o) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    extern __shared__ __align__(16) int plan_shared[];
+    const unsigned long long epoch =
+        send_tokens<kUseFP8, kPuts>(L, h, x, topk_idx, send_slot, num_tokens, num_topk, round_scale, direct, plan_shared);
+    __syncthreads();  // the send's shared memory (plan, own entries) is the receive's prefixes from here on
+    receive_messages<kUseFP8, kUE8M0>(L, h, epoch, plan_shared, o);
 }
 
 // ------------------------------------------------------------------ combine
@@ -679,16 +739,13 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
 // other row; a warp per (row, kChunkBytes chunk), spread over the grid. The last block to finish flags every (expert,
 // source rank) pair with the first slot of that source's range (where its pull starts).
 // Rewriting the send area waits for the acks of this half's previous use, which every source sends after its reduce.
-__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
-    send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range) {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-    extern __shared__ int prefix[];
+// `alone`: no other block of the grid takes part (nothing to arrive for). `prefix`: prefix_shared_bytes.
+__device__ __forceinline__ void send_outputs(const Layout& L, const Half& h, unsigned long long epoch, const __nv_bfloat16* x,
+                                             bool x_is_staged, bool all_peers_direct, const int64_t* layout_range, bool alone, int* prefix) {
     const int R = L.num_ranks, T = L.max_tokens, E_local = L.num_local_experts;
     int* begin = prefix;
     int* start = prefix + E_local * (R + 1);
     trace_phase(h, kTraceCombineSend, kTraceStart);
-    const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyCombineSend);
     trace_phase(h, kTraceCombineSend, kTracePrepared);
     // The ranges are the exclusive prefixes of their counts (the receive kernel wrote them so).
@@ -732,7 +789,8 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceCombineSend, kTraceMoved);
-    const bool last = arrive_last(L, &h.state->send_arrived[h.half]);
+    if (alone) __syncthreads();  // as arrive_last for a grid of one block
+    const bool last = alone || arrive_last(L, &h.state->send_arrived[h.half]);
     trace_phase(h, kTraceCombineSend, kTraceArrived);
     if (!last) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
@@ -744,6 +802,14 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     trace_phase(h, kTraceCombineSend, kTraceSignaled);
 }
 
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_outputs_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    extern __shared__ int prefix[];
+    send_outputs(L, h, h.state->epoch[h.half] + 1, x, x_is_staged, all_peers_direct, layout_range, gridDim.x == 1, prefix);
+}
+
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, BF16 out.
 // y[t,k] is read where the expert's rank holds it (its send area, from the first slot its flag carries) when that rank
 // is directly addressable, else from this rank's receive area (pushed). Entries without a slot (-1, skipped in
@@ -752,25 +818,30 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
 // once, into shared memory, then each lane walks its 16-byte chunks two at a time, the rows of kRowBatch entries in
 // flight before any is summed. (A thread per chunk redid a token's index, slot and address arithmetic for every
 // chunk: ncu found that integer work, not memory, bounding the kernel.)
-__global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, const int64_t* topk_idx, const float* topk_weights,
-                                                                  const int* send_slot, int num_tokens, int num_topk, __nv_bfloat16* out,
-                                                                  int64_t* wait_stats) {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-    extern __shared__ int first_slot[];  // [E]: where this rank's range starts in the expert's outputs
+// `first_slot`: [E] ints of shared memory (where this rank's range starts in each expert's outputs). Any block size.
+// `rows_in_place`: one_rank_fused's zero-copy combine (no flags to wait for).
+__device__ __forceinline__ void reduce_outputs(const Layout& L, const Half& h, unsigned long long epoch, const ReduceArgs& a,
+                                               bool rows_in_place, int* first_slot) {
     __shared__ const int4* entry_row[kWarps][kMaxTopk];  // each warp's current token: entry k's row, null: adds nothing
     __shared__ float entry_weight[kWarps][kMaxTopk];
-    __shared__ unsigned long long epoch_shared;
-    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
-    __syncthreads();
+    const int64_t* topk_idx = a.topk_idx;
+    const float* topk_weights = a.topk_weights;
+    const int* send_slot = a.send_slot;
+    const int num_tokens = a.num_tokens, num_topk = a.num_topk;
+    auto* out = static_cast<__nv_bfloat16*>(a.out);
+    int64_t* wait_stats = a.wait_stats;
     trace_phase(h, kTraceReduce, kTraceStart);
-    const unsigned long long epoch = epoch_shared;
     const int E_local = L.num_local_experts;
-    // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
-    for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x)
-        first_slot[e] = static_cast<int>(wait_signal_timed(combine_signals(L, h) + e, epoch, h, sync::kStageLowLatencyCombineRecv,
-                                                           e / E_local, e, wait_stats, blockIdx.x == 0) &
-                                         0xffffffffu);
+    if (rows_in_place) {  // one_rank_fused: no combine send flagged the experts
+        wait_all_acks(L, h, epoch, sync::kStageLowLatencyCombineSend);
+        for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x) first_slot[e] = 0;
+    } else {
+        // Block 0's waits are recorded: one per expert, added to the rank that holds it (as DeepEP).
+        for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x)
+            first_slot[e] = static_cast<int>(wait_signal_timed(combine_signals(L, h) + e, epoch, h, sync::kStageLowLatencyCombineRecv,
+                                                               e / E_local, e, wait_stats, blockIdx.x == 0) &
+                                             0xffffffffu);
+    }
     __syncthreads();
     trace_phase(h, kTraceReduce, kTracePrepared);
     trace_phase(h, kTraceReduce, kTraceWaited);
@@ -786,12 +857,13 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
         return reinterpret_cast<const int4*>(h.peer_base[pe] + h.half_offset + at);
     };
     const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
-    const int total_warps = static_cast<int>(gridDim.x) * kWarps;
+    const int warps = static_cast<int>(blockDim.x) / kWarpSize;  // <= kWarps
+    const int total_warps = static_cast<int>(gridDim.x) * warps;
     // Few tokens: each is cut into parts so that every warp has one (at most a chunk per lane per part).
     const int parts = max(1, min(ceil_div(total_warps, max(num_tokens, 1)), ceil_div(chunks, kWarpSize)));
     const int64_t items = static_cast<int64_t>(num_tokens) * parts;
     constexpr int kRowBatch = 8;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items; item += total_warps) {
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * warps + warp; item < items; item += total_warps) {
         const int t = static_cast<int>(item / parts), part = static_cast<int>(item % parts);
         if (lane < num_topk) {
             const int64_t entry = static_cast<int64_t>(t) * num_topk + lane;
@@ -849,6 +921,35 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
     finish_receive(L, h, epoch, kTraceReduce);
 }
 
+__global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half h, ReduceArgs a, bool rows_in_place) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    extern __shared__ int first_slot[];
+    __shared__ unsigned long long epoch_shared;
+    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
+    __syncthreads();
+    reduce_outputs(L, h, epoch_shared, a, rows_in_place, first_slot);
+}
+
+// One combine in one kernel (send_and_reduce_kernel): the send, then, in every block, the reduce (residency as in
+// send_and_receive_kernel). With the zero-copy buffer and every peer addressable no row moves, so block 0 alone waits
+// for the acks and flags the sources, and no block arrives. Saves a launch and a kernel boundary per call.
+__global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
+    send_and_reduce_kernel(Layout L, Half h, const __nv_bfloat16* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range,
+                           ReduceArgs a) {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    extern __shared__ int combine_shared[];  // the send's prefixes, then the reduce's first slots
+    __shared__ unsigned long long epoch_shared;
+    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
+    __syncthreads();
+    const bool rows_move = !(x_is_staged && all_peers_direct);
+    if (rows_move || blockIdx.x == 0)
+        send_outputs(L, h, epoch_shared, x, x_is_staged, all_peers_direct, layout_range, !rows_move, combine_shared);
+    __syncthreads();
+    reduce_outputs(L, h, epoch_shared, a, false, combine_shared);
+}
+
 // ------------------------------------------------------------------ grids
 // Small-block grid for `warps` warp items, within the thread budget of max_blocks full blocks (at least one block:
 // the send kernels' last block signals even when there is nothing to move).
@@ -900,46 +1001,100 @@ Layout make_layout(int num_ranks, int num_experts, int max_tokens, int hidden) {
     return L;
 }
 
+namespace {
+
+// The shared-memory opt-in past the default limit, made once per kernel and size (a cudaFuncSetAttribute per call
+// costs host time on the hot path).
+template <typename Kernel>
+void allow_shared_bytes(Kernel kernel, size_t bytes) {
+    if (bytes <= kMaxPrefixSharedBytes) return;
+    static std::mutex mutex;
+    static std::map<std::pair<int, const void*>, size_t> allowed;  // (device, kernel) -> bytes
+    int device = 0;
+    EP_CUDA_CHECK(cudaGetDevice(&device));
+    const std::lock_guard<std::mutex> lock(mutex);
+    size_t& done = allowed[{device, reinterpret_cast<const void*>(kernel)}];
+    if (bytes <= done) return;
+    EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    done = bytes;
+}
+
+void check_send_items(const Layout& L, int num_tokens) {
+    EP_HOST_ASSERT(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels) <= INT_MAX, "low-latency dispatch: ", num_tokens,
+                   " tokens of hidden ", L.hidden, " are too many (the send counts (token, step) items in int32)");
+}
+
+}  // namespace
+
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
                    bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
     const bool outputs_given = direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr);
     EP_HOST_ASSERT(L.num_ranks != 1 || outputs_given, "low-latency dispatch: one rank alone needs its receive outputs at the send");
+    check_send_items(L, num_tokens);
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
-    EP_HOST_ASSERT(int64_t(num_tokens) * ceil_div(L.hidden, kStepChannels) <= INT_MAX, "low-latency dispatch: ", num_tokens,
-                   " tokens of hidden ", L.hidden, " are too many (the send counts (token, step) items in int32)");
     const size_t shared = send_shared_bytes(L, num_tokens, num_topk, blocks);
     const auto kernel = use_fp8 ? (all_peers_direct ? send_tokens_kernel<true, false> : send_tokens_kernel<true, true>)
                                 : (all_peers_direct ? send_tokens_kernel<false, false> : send_tokens_kernel<false, true>);
-    if (shared > kMaxPrefixSharedBytes)  // past the default limit (many tokens over few blocks): opt in
-        EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+    allow_shared_bytes(kernel, shared);  // many tokens over few blocks
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     launch_kernel(chained_launch_for(L.num_ranks), kernel, blocks, kSmallThreads, shared, stream, L, h, xb, topk_idx, send_slot, num_tokens,
                   num_topk, round_scale, direct);
 }
 
-void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
-                   int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream) {
+bool one_rank_fused(const Layout& L) { return L.num_ranks == 1 && pending_kernels_enabled(); }
+
+void dispatch_recv(const Layout& L, const Half& h, bool use_fp8, bool use_ue8m0, const ReceiveOutputs& outputs, cudaStream_t stream) {
+    if (one_rank_fused(L)) return;  // the send kernel received
     const size_t shared = prefix_shared_bytes(L);
     const dim3 grid(receive_grid(L, h.max_blocks));
     const auto kernel = !use_fp8 ? receive_tokens_kernel<false, false> : use_ue8m0 ? receive_tokens_kernel<true, true>
                                                                                    : receive_tokens_kernel<true, false>;
-    launch_kernel(chained_launch_for(L.num_ranks), kernel, grid, kThreads, shared, stream, L, h, recv_x, recv_scales, src_info,
-                  layout_range, recv_count, cumulative_stats, wait_stats);
+    launch_kernel(chained_launch_for(L.num_ranks), kernel, grid, kThreads, shared, stream, L, h, outputs);
+}
+
+bool dispatch_in_one_kernel(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
+                            bool use_fp8, bool round_scale, bool use_ue8m0, bool all_peers_direct, int* send_slot,
+                            const ReceiveOutputs& outputs, cudaStream_t stream) {
+    if (L.num_ranks == 1 || !pending_kernels_enabled()) return false;
+    check_send_items(L, num_tokens);
+    // Small blocks: the send's grid, or the receive's threads, whichever is wider (both within the max_blocks budget).
+    const int blocks = std::max(send_grid(L, h.max_blocks, num_tokens), receive_grid(L, h.max_blocks) * kSmallPerFull);
+    const size_t shared = std::max(send_shared_bytes(L, num_tokens, num_topk, blocks), prefix_shared_bytes(L));
+    const auto kernel = !use_fp8      ? (all_peers_direct ? send_and_receive_kernel<false, false, false> : send_and_receive_kernel<false, true, false>)
+                        : !use_ue8m0 ? (all_peers_direct ? send_and_receive_kernel<true, false, false> : send_and_receive_kernel<true, true, false>)
+                                     : (all_peers_direct ? send_and_receive_kernel<true, false, true> : send_and_receive_kernel<true, true, true>);
+    allow_shared_bytes(kernel, shared);
+    const low_latency::DirectReceive unused{};  // more than one rank: the receive part places the rows
+    launch_kernel(false, kernel, blocks, kSmallThreads, shared, stream, L, h, static_cast<const __nv_bfloat16*>(x), topk_idx, send_slot,
+                  num_tokens, num_topk, round_scale, unused, outputs);
+    return true;
 }
 
 void combine_send(const Layout& L, const Half& h, const void* x, bool x_is_staged, bool all_peers_direct, const int64_t* layout_range,
                   cudaStream_t stream) {
+    if (x_is_staged && one_rank_fused(L)) return;  // the reduce reads the rows in place
     // Zero copy with every peer addressable: no row moves, one block waits for the acks and flags the sources.
     const int blocks = x_is_staged && all_peers_direct ? 1 : combine_send_grid(L, h.max_blocks);
     launch_kernel(chained_launch_for(L.num_ranks), send_outputs_kernel, blocks, kSmallThreads, prefix_shared_bytes(L), stream, L, h,
                   static_cast<const __nv_bfloat16*>(x), x_is_staged, all_peers_direct, layout_range);
 }
 
-void combine_recv(const Layout& L, const Half& h, const int64_t* topk_idx, const float* topk_weights, const int* send_slot, int num_tokens,
-                  int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream) {
-    launch_kernel(chained_launch_for(L.num_ranks), reduce_outputs_kernel, reduce_grid(L, h.max_blocks, num_sms, num_tokens), kThreads,
-                  L.num_experts * sizeof(int), stream, L, h, topk_idx, topk_weights, send_slot, num_tokens, num_topk,
-                  static_cast<__nv_bfloat16*>(out), wait_stats);
+void combine_recv(const Layout& L, const Half& h, const ReduceArgs& args, bool x_is_staged, int num_sms, cudaStream_t stream) {
+    const bool rows_in_place = x_is_staged && one_rank_fused(L);
+    launch_kernel(chained_launch_for(L.num_ranks), reduce_outputs_kernel, reduce_grid(L, h.max_blocks, num_sms, args.num_tokens), kThreads,
+                  L.num_experts * sizeof(int), stream, L, h, args, rows_in_place);
+}
+
+bool combine_in_one_kernel(const Layout& L, const Half& h, const void* x, bool x_is_staged, bool all_peers_direct,
+                           const int64_t* layout_range, const ReduceArgs& args, int num_sms, cudaStream_t stream) {
+    if (L.num_ranks == 1 || !pending_kernels_enabled()) return false;
+    const bool rows_move = !(x_is_staged && all_peers_direct);
+    const int reduce_blocks = reduce_grid(L, h.max_blocks, num_sms, args.num_tokens) * kSmallPerFull;
+    const int blocks = rows_move ? std::max(combine_send_grid(L, h.max_blocks), reduce_blocks) : reduce_blocks;
+    const size_t shared = std::max(prefix_shared_bytes(L), L.num_experts * sizeof(int));
+    launch_kernel(false, send_and_reduce_kernel, blocks, kSmallThreads, shared, stream, L, h, static_cast<const __nv_bfloat16*>(x), x_is_staged,
+                  all_peers_direct, layout_range, args);
+    return true;
 }
 
 int widest_grid_blocks(const Layout& L, int max_blocks, int num_tokens) {

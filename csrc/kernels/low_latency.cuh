@@ -125,7 +125,19 @@ struct DirectReceive {
     void* recv_scales;  // FP8: fp32 [E_local, groups, T], or with UE8M0 int32 [E_local, groups / 4, T]
     int* src_info;      // [E_local, T]
     bool use_ue8m0;
+    // one_rank_fused: the rest of the receive's outputs, which the send kernel then writes too (else unused).
+    int* recv_count;        // [E_local]
+    int64_t* layout_range;  // [E_local, 1]
+    int* cumulative_stats;  // [E_local], accumulated; may be null
 };
+
+// One rank alone with the pending kernels (EP_DISPATCHER_PENDING_KERNELS=1, kernels/pending_kernels.h): one kernel per
+// dispatch and one per zero-copy combine. The dispatch's send kernel also does what its receive kernel did (counts,
+// ranges and cumulative stats from its plan's totals, unused slots marked, the half's epoch and ack), and dispatch_recv
+// launches nothing. A zero-copy combine's send launches nothing (no row moves, and there is no peer to flag), and the
+// reduce reads the rows where the experts wrote them, from slot 0 (a lone source's range), after the ack of the half's
+// previous use, which the combine send used to wait for. Each saves a launch and a kernel boundary per call.
+bool one_rank_fused(const Layout& layout);
 
 // `send_slot`: int32 [num_tokens * num_topk]: each entry's slot at its expert (-1: skipped), which the combine reads.
 // `direct`: the outputs when layout.num_ranks == 1 (else ignored). `all_peers_direct`: as combine_send's.
@@ -133,18 +145,50 @@ void dispatch_send(const Layout& layout, const Half& half, const void* x, const 
                    bool use_fp8, bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct,
                    cudaStream_t stream);
 
-// `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the receive kernel spun waiting for each
-// source rank's signals, one add per waited signal: dispatch per (local expert, source rank) count, combine per expert
-// flag (added to the rank that holds the expert). DeepEP's dispatch/combine_wait_recv_cost_stats.
-void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales, int* src_info,
-                   int64_t* layout_range, int* recv_count, int* cumulative_stats, int64_t* wait_stats, cudaStream_t stream);
+// The dispatch's receive outputs. `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the
+// receive spun waiting for each source rank's signals, one add per waited signal: dispatch per (local expert, source
+// rank) count, combine per expert flag (added to the rank that holds the expert). DeepEP's
+// dispatch/combine_wait_recv_cost_stats. `cumulative_stats` (optional, int32 [E_local]) accumulates the counts.
+struct ReceiveOutputs {
+    void* recv_x;
+    void* recv_scales;
+    int* src_info;
+    int64_t* layout_range;
+    int* recv_count;
+    int* cumulative_stats;
+    int64_t* wait_stats;
+};
+
+void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, const ReceiveOutputs& outputs, cudaStream_t stream);
+
+// The whole dispatch in one kernel, for a caller that receives at once (no hook): the send, then, in the same blocks,
+// the receive. Only with more than one rank and the pending kernels on (EP_DISPATCHER_PENDING_KERNELS=1); returns false
+// and launches nothing otherwise (then dispatch_send, and dispatch_recv).
+bool dispatch_in_one_kernel(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
+                            bool use_fp8, bool round_scale, bool use_ue8m0, bool all_peers_direct, int* send_slot,
+                            const ReceiveOutputs& outputs, cudaStream_t stream);
 
 // `all_peers_direct`: every peer is directly addressable (none is reached by NVSHMEM puts).
 void combine_send(const Layout& layout, const Half& half, const void* x, bool x_is_staged, bool all_peers_direct,
                   const int64_t* layout_range, cudaStream_t stream);
 
-void combine_recv(const Layout& layout, const Half& half, const int64_t* topk_idx, const float* topk_weights, const int* send_slot,
-                  int num_tokens, int num_topk, void* out, int num_sms, int64_t* wait_stats, cudaStream_t stream);
+// The combine's receive arguments: out [num_tokens, hidden] bf16 = the weighted sum of each token's expert outputs.
+struct ReduceArgs {
+    const int64_t* topk_idx;
+    const float* topk_weights;
+    const int* send_slot;
+    int num_tokens;
+    int num_topk;
+    void* out;
+    int64_t* wait_stats;
+};
+
+// `x_is_staged`: as combine_send's (the zero-copy buffer), which one_rank_fused reads in place.
+void combine_recv(const Layout& layout, const Half& half, const ReduceArgs& args, bool x_is_staged, int num_sms, cudaStream_t stream);
+
+// The whole combine in one kernel, as dispatch_in_one_kernel (same conditions; false: combine_send, then combine_recv).
+bool combine_in_one_kernel(const Layout& layout, const Half& half, const void* x, bool x_is_staged, bool all_peers_direct,
+                           const int64_t* layout_range, const ReduceArgs& args, int num_sms, cudaStream_t stream);
 
 // The widest grid a dispatch or combine of `num_tokens` tokens launches, in 512-thread block equivalents (what the
 // benchmark reports as the call's share of the SMs).

@@ -64,7 +64,8 @@ class LowLatencyDispatchArgs(NamedTuple):
 
     x: ``[num_tokens, hidden] bfloat16``; topk_idx: ``[num_tokens, num_topk] int64``; half: the buffer half (0 or 1);
     cumulative_stats: optional ``[num_local_experts] int32`` the receive phase adds the counts to; wait_stats: optional
-    ``[num_ranks] int64`` (cycles spun per source rank).
+    ``[num_ranks] int64`` (cycles spun per source rank); receive_now: the caller runs ``receive()`` at once (no
+    hook), so an engine may launch both phases together and make ``receive()`` do nothing.
     """
 
     x: torch.Tensor
@@ -78,6 +79,7 @@ class LowLatencyDispatchArgs(NamedTuple):
     half: int = 0
     cumulative_stats: Optional[torch.Tensor] = None
     wait_stats: Optional[torch.Tensor] = None
+    receive_now: bool = False
 
     def make_handle(
         self, src_info: torch.Tensor, layout_range: torch.Tensor, backend_state: object
@@ -120,7 +122,7 @@ class LowLatencyCombineArgs(NamedTuple):
     x: ``[num_local_experts, num_ranks * max_tokens, hidden] bfloat16``; topk_idx ``[num_tokens, num_topk] int64`` /
     topk_weights ``float32``: as dispatched; handle: the dispatch's; half: the buffer half (0 or 1); wait_stats:
     optional ``[num_ranks] int64`` (cycles spun per source rank); out: the caller's ``[num_tokens, hidden] bfloat16``
-    destination, or None (the backend allocates it).
+    destination, or None (the backend allocates it); receive_now: as ``LowLatencyDispatchArgs``'.
     """
 
     x: torch.Tensor
@@ -130,6 +132,7 @@ class LowLatencyCombineArgs(NamedTuple):
     half: int = 0
     wait_stats: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
+    receive_now: bool = False
 
 
 @runtime_checkable

@@ -93,6 +93,7 @@ class LowLatencyEngine:
             args.use_ue8m0,
             args.cumulative_stats,
             args.wait_stats,
+            args.receive_now,
         )
         handle = args.make_handle(src_info, layout_range, LowLatencyState(send_slot))
         return handle, (recv_x, recv_scales, recv_count), receive
@@ -112,6 +113,7 @@ class LowLatencyEngine:
             handle.backend_state.send_slot,
             args.out,
             args.wait_stats,
+            args.receive_now,
         )
 
     def combine_buffer(self, half: int, shape, device: torch.device) -> torch.Tensor:
