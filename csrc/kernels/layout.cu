@@ -2,7 +2,7 @@
 //
 // Owner kernel (pending: runs only with EP_DISPATCHER_PENDING_KERNELS=1, see pending_kernels.h; scope in layout.cuh).
 // The call is host-bound (each launch or memset is several us of host time), so this path is one launch and no memset.
-// Each of 8 blocks OWNS a contiguous range of the counter array [ranks | experts | nodes]: it counts into shared memory
+// Each of 8 blocks owns a contiguous range of the counter array [ranks | experts | nodes]: it counts into shared memory
 // while walking ALL tokens, then stores its whole range, zeros included, with plain stores. No block adds into
 // another's counters, so nothing needs a zero-fill and there are no global atomics (deterministic). Every block
 // re-reads all of topk_idx, which is cheap from L2 at the scope's size; each block writes the is_token_in_rank rows
@@ -187,7 +187,7 @@ struct OwnerLayoutParams {
     int num_ranks_per_node;
     int num_nodes;            // 0: no per-node output
     uint32_t rank_magic;      // expert / num_local_experts == (expert * rank_magic) >> kRankMagicShift
-    uint64_t node_rank_bits;  // the low num_ranks_per_node bits, when num_nodes > 0
+    uint64_t node_rank_bits;  // the low num_ranks_per_node bits (a node's ranks in the rank mask)
     int row_store_bytes;      // 1, 2, 4 or 8: divides num_ranks and the alignment of is_token_in_rank
     int* counters;            // [num_ranks | num_experts | num_nodes], every element stored here
     bool* is_token_in_rank;   // [num_tokens, num_ranks], every row stored here
@@ -353,7 +353,8 @@ void launch_owner_kernel(const int64_t* topk_idx, int num_tokens, int num_topk, 
     params.num_ranks_per_node = num_ranks_per_node;
     params.num_nodes = num_nodes;
     params.rank_magic = static_cast<uint32_t>(make_magic(num_experts / num_ranks, kRankMagicShift));
-    params.node_rank_bits = num_nodes > 0 ? (uint64_t{1} << num_ranks_per_node) - 1 : 0;
+    // A caller may ask for the per-node output of one node of 64 ranks (num_ranks_per_node == num_ranks).
+    params.node_rank_bits = num_ranks_per_node >= kOwnerMaxRanks ? ~uint64_t{0} : (uint64_t{1} << num_ranks_per_node) - 1;
     params.row_store_bytes = row_store_bytes;
     params.counters = counters;
     params.is_token_in_rank = is_token_in_rank;
