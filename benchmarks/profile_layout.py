@@ -2,6 +2,7 @@
 
     python benchmarks/profile_layout.py --ranks 4                                    # one GPU: run under MPS
     PYTHONPATH=.deepep/DeepEP python benchmarks/profile_layout.py --ranks 4 --impl deepep
+    EP_DISPATCHER_PENDING_KERNELS=1 python benchmarks/profile_layout.py --ranks 4     # the pending owner kernel
 
 Each rank makes --calls back-to-back calls on its current stream. "host µs" is the wall time per call on the host
 (nothing waits); "GPU µs" is the CUDA-event time per call over the same calls. Equal figures mean a host-bound call
@@ -90,9 +91,12 @@ def main(argv=None) -> int:
     if args.experts % args.ranks != 0:
         parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
     per_rank = spawn(_rank_main, args.ranks, args, backend="gloo")
+    # The ranks inherit the switch; the C++ reads it (docs/architecture.md, "Pending kernels").
+    pending_kernels = os.environ.get("EP_DISPATCHER_PENDING_KERNELS") == "1"
     print(
-        f"profile_layout: {args.impl}, {args.ranks} ranks on {torch.cuda.get_device_name()}, {args.tokens} tokens "
-        f"top-{args.topk} of {args.experts}, {args.calls} back-to-back calls; µs per call, median over ranks"
+        f"profile_layout: {args.impl}{' (pending kernels)' if pending_kernels else ''}, {args.ranks} ranks on "
+        f"{torch.cuda.get_device_name()}, {args.tokens} tokens top-{args.topk} of {args.experts}, {args.calls} "
+        "back-to-back calls; µs per call, median over ranks"
     )
     print(f"  {'what':12s} {'host µs':>9s} {'GPU µs':>9s}   host µs per rank")
     summary = {}
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
         print(f"  {what:12s} {statistics.median(host):9.1f} {statistics.median(gpu):9.1f}   {per_rank_host}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "per_rank": summary}, f, indent=1)
+            json.dump({"args": vars(args), "pending_kernels": pending_kernels, "per_rank": summary}, f, indent=1)
     return 0
 
 

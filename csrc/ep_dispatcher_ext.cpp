@@ -91,8 +91,8 @@ DispatchLayout get_dispatch_layout(const at::Tensor& topk_idx, int64_t num_exper
     const int num_sms = multiprocessor_count(topk_idx.get_device());
 
     // One allocation for every output (each allocation is host time on the hot path): the three counter arrays
-    // [ranks | experts | nodes], zero-filled together by the launcher, then is_token_in_rank's bytes. The outputs
-    // are views of it.
+    // [ranks | experts | nodes], one array for the launcher (the owner kernel stores all of it, the fallback zero-fills
+    // it first), then is_token_in_rank's bytes. The outputs are views of it.
     const int64_t num_nodes = spans_nodes ? num_ranks / num_ranks_per_node : 0;
     const int64_t num_counters = num_ranks + num_experts + num_nodes;
     // is_token_in_rank starts 16-byte aligned: the dispatch's send-position scan reads it in 16-byte vectors only then

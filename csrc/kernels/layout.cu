@@ -1,17 +1,29 @@
-// Dispatch layout kernel: see layout.cuh for the contract.
+// Dispatch layout kernels: see layout.cuh for the contract. Two paths:
 //
-// Work split: each block owns a contiguous range of tokens. It first zeroes that range's rows of
-// is_token_in_rank (so no separate memset is needed for the largest output), then walks the range's top-k
-// entries with one thread per entry, which keeps the int64 loads coalesced. A token is counted for a rank
-// (or node) by the first of its entries that lands there; later entries of the same token check the entries
-// before them in the row (O(num_topk^2) per token, cheap for the top-k sizes MoE routers use, and the row is
-// in L1 by then). Counts go to per-block shared-memory counters and are added to the global outputs once per
-// block, which keeps global atomic traffic at O(blocks * counters) instead of O(entries).
+// Owner kernel (pending: runs only with EP_DISPATCHER_PENDING_KERNELS=1, see pending_kernels.h; scope in layout.cuh).
+// The call is host-bound (each launch or memset is several us of host time), so this path is one launch and no memset.
+// Each of 8 blocks owns a contiguous range of the counter array [ranks | experts | nodes]: it counts into shared memory
+// while walking ALL tokens, then stores its whole range, zeros included, with plain stores. No block adds into
+// another's counters, so nothing needs a zero-fill and there are no global atomics (deterministic). Every block
+// re-reads all of topk_idx, which is cheap from L2 at the scope's size; each block writes the is_token_in_rank rows
+// of its own eighth of the tokens, from the rank mask it computed anyway. A warp loads its 32 tokens' entries
+// coalesced (were each thread to read its own token's row, every warp load would touch 16 cache lines at top-8) and
+// hands each thread its row's ranks through shared memory; the thread builds its token's rank mask, and the warp
+// counts tokens per owned rank or node with one ballot each.
+//
+// Fallback kernel (every call outside the owner kernel's scope, and every call without the switch): each block owns
+// a contiguous range of tokens. It first zeroes that range's rows of is_token_in_rank, then walks the range's top-k
+// entries with one thread per entry, which keeps the int64 loads coalesced. A token is counted for a rank (or node) by
+// the first of its entries that lands there; later entries of the same token check the entries before them in the row
+// (O(num_topk^2) per token, cheap for the top-k sizes MoE routers use, and the row is in L1 by then). Counts go to
+// per-block shared-memory counters and are added to the zero-filled global outputs once per block, which keeps global
+// atomic traffic at O(blocks * counters) instead of O(entries).
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/common.cuh"
 #include "kernels/layout.cuh"
+#include "kernels/pending_kernels.h"
 
 namespace ep::layout {
 namespace {
@@ -134,6 +146,222 @@ __global__ void __launch_bounds__(kNumThreadsPerBlock) get_dispatch_layout_kerne
     }
 }
 
+// ------------------------------------------------------------------ owner kernel (pending)
+
+// Blocks of the owner kernel: enough to split the counters and the is_token_in_rank rows 8 ways, few enough that every
+// block re-reading all of topk_idx (at most kOwnerMaxEntries x 8 B = 512 KiB each) stays cheap from L2.
+constexpr int kOwnerNumBlocks = 8;
+// One thread per token in the counting phase: 4096 tokens take each warp 4 steps.
+constexpr int kOwnerThreadsPerBlock = 1024;
+// Two blocks' registers fit an SM (32 per thread), so the kernel can share an SM with a neighbour kernel's block.
+constexpr int kOwnerMinBlocksPerSm = 2;
+constexpr int kOwnerWarpsPerBlock = kOwnerThreadsPerBlock / kWarpSize;
+// Top-k loads a lane has in flight at once: 4 x 8 B overlap the L2 latency within 32 registers (8 would spill).
+constexpr int kOwnerLoadBatch = 4;
+// Scope: the top-k entries every block re-reads (also keeps token * num_ranks and every index in int32).
+constexpr int64_t kOwnerMaxEntries = 65536;
+// Scope: a token's ranks, and its nodes, are bits of a uint64.
+constexpr int kOwnerMaxRanks = 64;
+// A block's share of the counters when all of them fit kMaxSharedCounterBytes (the scope).
+constexpr int kOwnerMaxCountersPerBlock = static_cast<int>(ceil_div<int64_t>(kMaxSharedCounterBytes / sizeof(int), kOwnerNumBlocks));
+// A warp's count of one ballot counter is a 16-bit half of a register (see the counting loop).
+constexpr int kBallotCountBits = 16;
+constexpr uint32_t kBallotCountMask = (1u << kBallotCountBits) - 1;
+static_assert(kOwnerMaxEntries / kOwnerThreadsPerBlock * kWarpSize <= kBallotCountMask, "a warp's count must fit 16 bits");
+// Rank of an entry outside [0, num_experts) in the shared-memory turnaround (ranks are < kOwnerMaxRanks).
+constexpr uint8_t kOwnerNoRank = 0xff;
+// Widest store of an is_token_in_rank row piece: 8 flags from 8 bits of the rank mask.
+constexpr int kOwnerMaxStoreBytes = static_cast<int>(sizeof(uint64_t));
+// Shift of the division by multiplication (make_magic) of an expert (< 2^14 in the scope) by the experts per rank
+// (< 2^14): their product stays below 2^31, and the multiplier ceil(2^31 / d) fits 32 bits.
+constexpr int kRankMagicShift = 31;
+// Staged ranks a thread reads at once when num_topk is a multiple of it (one 32-bit shared load).
+constexpr int kOwnerRanksPerWord = static_cast<int>(sizeof(uint32_t));
+
+struct OwnerLayoutParams {
+    const int64_t* __restrict__ topk_idx;  // [num_tokens, num_topk]
+    int num_tokens;
+    int num_topk;
+    int num_experts;
+    int num_ranks;
+    int num_ranks_per_node;
+    int num_nodes;            // 0: no per-node output
+    uint32_t rank_magic;      // expert / num_local_experts == (expert * rank_magic) >> kRankMagicShift
+    uint64_t node_rank_bits;  // the low num_ranks_per_node bits (a node's ranks in the rank mask)
+    int row_store_bytes;      // 1, 2, 4 or 8: divides num_ranks and the alignment of is_token_in_rank
+    int* counters;            // [num_ranks | num_experts | num_nodes], every element stored here
+    bool* is_token_in_rank;   // [num_tokens, num_ranks], every row stored here
+};
+
+// ceil(2^shift / divisor): with it, n / divisor == (n * magic) >> shift whenever n * divisor <= 2^shift, because the
+// excess n * (magic * divisor - 2^shift) / (divisor * 2^shift) then stays below 1 / divisor (a multiply and a shift
+// instead of a division, per entry).
+uint64_t make_magic(int divisor, int shift) { return ((uint64_t{1} << shift) + divisor - 1) / divisor; }
+
+// Byte i of the result is bit i of `bits`, as 0 or 1: the multiply copies the low 8 bits into every byte, the AND keeps
+// bit i in byte i, and adding 0x7f to a byte of 0 or 1 << i sets its top bit exactly when bit i is set (no carry out).
+__device__ __forceinline__ uint64_t bits_to_bytes(uint64_t bits) {
+    constexpr uint64_t kEveryByte = 0x0101010101010101ull;
+    const uint64_t kept = ((bits & 0xff) * kEveryByte) & 0x8040201008040201ull;
+    return ((kept + 0x7f7f7f7f7f7f7f7full) >> 7) & kEveryByte;
+}
+
+// The rank-mask bit of a staged rank; none for kOwnerNoRank.
+__device__ __forceinline__ uint64_t rank_bit(uint32_t rank) { return rank < kOwnerMaxRanks ? uint64_t{1} << rank : 0; }
+
+// All num_ranks flags of one row, `store_bytes` at a time (the row start is aligned to it, see the launcher).
+__device__ __forceinline__ void store_row(bool* row, uint64_t rank_mask, int num_ranks, int store_bytes) {
+    for (int rank = 0; rank < num_ranks; rank += store_bytes) {
+        const uint64_t flags = bits_to_bytes(rank_mask >> rank);
+        if (store_bytes == 8) {
+            *reinterpret_cast<uint64_t*>(row + rank) = flags;
+        } else if (store_bytes == 4) {
+            *reinterpret_cast<uint32_t*>(row + rank) = static_cast<uint32_t>(flags);
+        } else if (store_bytes == 2) {
+            *reinterpret_cast<uint16_t*>(row + rank) = static_cast<uint16_t>(flags);
+        } else {
+            *reinterpret_cast<uint8_t*>(row + rank) = static_cast<uint8_t>(flags);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kOwnerThreadsPerBlock, kOwnerMinBlocksPerSm) owner_layout_kernel(const OwnerLayoutParams p) {
+    __shared__ int owned_counters[kOwnerMaxCountersPerBlock];
+    // Per warp, the ranks of its 32 tokens' entries in topk_idx's order ([token][k]), so that the loads below write
+    // them without any index arithmetic; a thread reads its row 4 ranks at a time where num_topk allows (at top-8,
+    // two 32-bit loads with a 2-way bank conflict).
+    __shared__ alignas(kOwnerRanksPerWord) uint8_t warp_ranks[kOwnerWarpsPerBlock][kMaxTopk * kWarpSize];
+
+    const int num_counters = p.num_ranks + p.num_experts + p.num_nodes;
+    const int block = static_cast<int>(blockIdx.x);
+    const int counter_begin = num_counters * block / kOwnerNumBlocks;
+    const int counter_end = num_counters * (block + 1) / kOwnerNumBlocks;
+    const int num_owned = counter_end - counter_begin;
+    for (int i = threadIdx.x; i < num_owned; i += kOwnerThreadsPerBlock) owned_counters[i] = 0;
+
+    // Owned ranks are counters [counter_begin, counter_begin + num_owned_ranks); owned nodes start at counter
+    // node_counter_begin. Ballot counter i is owned rank i, then owned node i - num_owned_ranks. There are at most 64:
+    // at most 64 ranks or 64 nodes, and never both, since a block's ceil(C / 8) of the C <= 3 * num_experts counters
+    // cannot span all the experts between the ranks and the nodes.
+    const int num_owned_ranks = max(0, min(counter_end, p.num_ranks) - counter_begin);
+    const int node_counter_begin = max(counter_begin, p.num_ranks + p.num_experts);
+    const int num_ballot_counters = num_owned_ranks + max(0, counter_end - node_counter_begin);
+    const int first_owned_node = node_counter_begin - (p.num_ranks + p.num_experts);
+    const int token_slice_begin = p.num_tokens * block / kOwnerNumBlocks;
+    const int token_slice_end = p.num_tokens * (block + 1) / kOwnerNumBlocks;
+    // The zeroed counters must be visible to every warp before its first atomicAdd.
+    __syncthreads();
+
+    const int lane = threadIdx.x % kWarpSize;
+    uint8_t* staged_ranks = warp_ranks[threadIdx.x / kWarpSize];
+    // This warp's counts of ballot counters `lane` (low half) and `lane + 32` (high half): a warp sees at most
+    // kOwnerMaxEntries / kOwnerThreadsPerBlock * 32 = 2048 tokens, so a half never carries into the other.
+    uint32_t ballot_counts = 0;
+    // Warp-uniform bound (a warp's first token), so all 32 lanes reach every ballot below.
+    for (int warp_token = threadIdx.x - lane; warp_token < p.num_tokens; warp_token += kOwnerThreadsPerBlock) {
+        // Coalesced loads of the warp's entries, kOwnerLoadBatch per lane in flight; each entry is counted for its
+        // expert here, and its rank staged.
+        const int64_t* warp_entries = p.topk_idx + warp_token * p.num_topk;
+        const int num_warp_entries = min(kWarpSize, p.num_tokens - warp_token) * p.num_topk;
+        for (int batch = lane; batch < num_warp_entries; batch += kOwnerLoadBatch * kWarpSize) {
+            int64_t experts[kOwnerLoadBatch];
+#pragma unroll
+            for (int b = 0; b < kOwnerLoadBatch; ++b) {
+                const int j = batch + b * kWarpSize;
+                experts[b] = j < num_warp_entries ? __ldg(warp_entries + j) : -1;
+            }
+#pragma unroll
+            for (int b = 0; b < kOwnerLoadBatch; ++b) {
+                const int j = batch + b * kWarpSize;
+                if (j >= num_warp_entries) break;
+                uint8_t rank = kOwnerNoRank;
+                if (experts[b] >= 0 && experts[b] < p.num_experts) {
+                    const auto expert = static_cast<uint32_t>(experts[b]);
+                    rank = static_cast<uint8_t>((uint64_t{expert} * p.rank_magic) >> kRankMagicShift);
+                    // Expert e is counter num_ranks + e; the unsigned compare tests both ends of the owned range.
+                    const auto owned = static_cast<unsigned>(p.num_ranks + static_cast<int>(expert) - counter_begin);
+                    if (owned < static_cast<unsigned>(num_owned)) atomicAdd(owned_counters + owned, 1);
+                }
+                staged_ranks[j] = rank;
+            }
+        }
+        // The staged ranks of other lanes are read below.
+        __syncwarp();
+
+        const int token = warp_token + lane;
+        uint64_t rank_mask = 0;  // stays empty past the last token, so those lanes add nothing to the ballots
+        if (token < p.num_tokens) {
+            const uint8_t* ranks = staged_ranks + lane * p.num_topk;
+            if (p.num_topk % kOwnerRanksPerWord == 0) {
+                for (int k = 0; k < p.num_topk; k += kOwnerRanksPerWord) {
+                    const uint32_t word = *reinterpret_cast<const uint32_t*>(ranks + k);
+#pragma unroll
+                    for (int b = 0; b < kOwnerRanksPerWord; ++b) rank_mask |= rank_bit((word >> (8 * b)) & 0xff);
+                }
+            } else {
+                for (int k = 0; k < p.num_topk; ++k) rank_mask |= rank_bit(ranks[k]);
+            }
+            if (token >= token_slice_begin && token < token_slice_end) {
+                store_row(p.is_token_in_rank + token * p.num_ranks, rank_mask, p.num_ranks, p.row_store_bytes);
+            }
+        }
+        // Every lane has read its ranks before the next step stages new ones over them.
+        __syncwarp();
+
+        for (int i = 0; i < num_ballot_counters; ++i) {
+            const bool counted =
+                i < num_owned_ranks
+                    ? ((rank_mask >> (counter_begin + i)) & 1) != 0
+                    : ((rank_mask >> ((first_owned_node + i - num_owned_ranks) * p.num_ranks_per_node)) & p.node_rank_bits) != 0;
+            const int count = __popc(__ballot_sync(kFullWarpMask, counted));
+            if (lane == i % kWarpSize) ballot_counts += count << (i < kWarpSize ? 0 : kBallotCountBits);
+        }
+    }
+
+    // Ballot counter i lives at owned_counters[i] (a rank) or after the owned experts (a node).
+    const int node_shift = node_counter_begin - counter_begin - num_owned_ranks;
+    for (int i = lane; i < num_ballot_counters; i += kWarpSize) {
+        const int count = i < kWarpSize ? ballot_counts & kBallotCountMask : ballot_counts >> kBallotCountBits;
+        atomicAdd(owned_counters + i + (i < num_owned_ranks ? 0 : node_shift), count);
+    }
+    // Every warp's increments must have landed before the range is stored.
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_owned; i += kOwnerThreadsPerBlock) p.counters[counter_begin + i] = owned_counters[i];
+}
+
+// Whether the owner kernel covers a call: the entries every block re-reads, the rank and node masks, a block's top-k
+// turnaround and a block's share of the counters are within its bounds (num_topk == 0 still bounds the tokens).
+bool owner_kernel_covers(int num_tokens, int num_topk, int num_ranks, int num_nodes, int64_t num_counters) {
+    return int64_t{num_tokens} * std::max(num_topk, 1) <= kOwnerMaxEntries && num_topk <= kMaxTopk && num_ranks <= kOwnerMaxRanks &&
+           num_nodes <= kOwnerMaxRanks && num_counters * static_cast<int64_t>(sizeof(int)) <= kMaxSharedCounterBytes;
+}
+
+void launch_owner_kernel(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int num_ranks_per_node,
+                         int num_nodes, int* counters, bool* is_token_in_rank, cudaStream_t stream) {
+    // Row t starts at byte t * num_ranks, so a store width that divides num_ranks and the base alignment keeps every
+    // store aligned (the C++ entry hands a 16-byte aligned base).
+    const auto flags_address = reinterpret_cast<uintptr_t>(is_token_in_rank);
+    int row_store_bytes = kOwnerMaxStoreBytes;
+    while (row_store_bytes > 1 && (num_ranks % row_store_bytes != 0 || flags_address % row_store_bytes != 0)) row_store_bytes /= 2;
+
+    OwnerLayoutParams params{};
+    params.topk_idx = topk_idx;
+    params.num_tokens = num_tokens;
+    params.num_topk = num_topk;
+    params.num_experts = num_experts;
+    params.num_ranks = num_ranks;
+    params.num_ranks_per_node = num_ranks_per_node;
+    params.num_nodes = num_nodes;
+    params.rank_magic = static_cast<uint32_t>(make_magic(num_experts / num_ranks, kRankMagicShift));
+    // A caller may ask for the per-node output of one node of 64 ranks (num_ranks_per_node == num_ranks).
+    params.node_rank_bits = num_ranks_per_node >= kOwnerMaxRanks ? ~uint64_t{0} : (uint64_t{1} << num_ranks_per_node) - 1;
+    params.row_store_bytes = row_store_bytes;
+    params.counters = counters;
+    params.is_token_in_rank = is_token_in_rank;
+    owner_layout_kernel<<<kOwnerNumBlocks, kOwnerThreadsPerBlock, 0, stream>>>(params);
+    EP_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int num_ranks_per_node,
@@ -150,12 +378,21 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
     EP_HOST_ASSERT(num_sms > 0, "num_sms=", num_sms);
     const int num_nodes = num_tokens_per_rdma_rank != nullptr ? num_ranks / num_ranks_per_node : 0;
 
-    // Blocks accumulate into the counters with atomics, so they start from zero; memset nodes are graph-capturable.
-    // The counters lie back to back ([ranks | experts | nodes], see layout.cuh), so one memset zeroes them all.
+    // Both kernels address the counters as one array ([ranks | experts | nodes], see layout.cuh): the owner kernel's
+    // blocks own ranges of it, the fallback zeroes it with one memset.
     EP_HOST_ASSERT(num_tokens_per_expert == num_tokens_per_rank + num_ranks &&
                        (num_nodes == 0 || num_tokens_per_rdma_rank == num_tokens_per_expert + num_experts),
                    "the counters must be one array: [num_tokens_per_rank | num_tokens_per_expert | num_tokens_per_rdma_rank]");
-    EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * (int64_t{num_ranks} + num_experts + num_nodes), stream));
+    const int64_t num_counters = int64_t{num_ranks} + num_experts + num_nodes;
+    if (pending_kernels_enabled() && owner_kernel_covers(num_tokens, num_topk, num_ranks, num_nodes, num_counters)) {
+        launch_owner_kernel(topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, num_nodes, num_tokens_per_rank,
+                            is_token_in_rank, stream);
+        return;
+    }
+
+    // Fallback: blocks accumulate into the counters with atomics, so they start from zero; memset nodes are
+    // graph-capturable.
+    EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_counters, stream));
     if (num_tokens == 0) return;  // is_token_in_rank is empty
 
     const int tokens_per_block_for_grid = ceil_div(num_tokens, num_sms * kMaxBlocksPerSm);
@@ -178,7 +415,7 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
     params.num_tokens_per_expert = num_tokens_per_expert;
     params.is_token_in_rank = is_token_in_rank;
 
-    const int64_t shared_counter_bytes = static_cast<int64_t>(sizeof(int)) * (int64_t{num_experts} + num_ranks + num_nodes);
+    const int64_t shared_counter_bytes = static_cast<int64_t>(sizeof(int)) * num_counters;
     if (shared_counter_bytes <= kMaxSharedCounterBytes) {
         get_dispatch_layout_kernel<true><<<num_blocks, kNumThreadsPerBlock, static_cast<size_t>(shared_counter_bytes), stream>>>(params);
     } else {

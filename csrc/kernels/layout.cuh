@@ -1,5 +1,5 @@
 // Dispatch layout: from the router's top-k expert choice, how many tokens go to each rank, node and expert,
-// and which (token, rank) pairs exist. Host launcher only; the kernel lives in layout.cu.
+// and which (token, rank) pairs exist. Host launcher only; the kernels live in layout.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,9 +18,16 @@ namespace ep::layout {
 // marker, and out-of-range ids, which the host cannot see without a sync) are ignored.
 // Expert e lives on rank e / (num_experts / num_ranks); rank r is on node r / num_ranks_per_node.
 // The three counter arrays are one allocation, back to back: [num_tokens_per_rank | num_tokens_per_expert |
-// num_tokens_per_rdma_rank] (one zero-fill for all of them).
-// Every element of every output is written (counters are zero-filled on the stream first), so outputs may
-// come straight from a caching allocator. Integer atomics make the results deterministic.
+// num_tokens_per_rdma_rank] (the owner kernel's blocks own ranges of it; the fallback zero-fills it with one memset).
+// Every element of every output is written, so outputs may come straight from a caching allocator. Integer
+// counting makes the results deterministic.
+// Two paths (layout.cu says how each works):
+//   owner kernel: one launch, no memset (each launch or memset is several us of host time, and the call is
+//     host-bound). Pending: taken only with EP_DISPATCHER_PENDING_KERNELS=1 (pending_kernels.h), and only within
+//     its scope: num_tokens * max(num_topk, 1) <= 65536 (every block re-reads all of topk_idx), num_topk <= 16
+//     (kMaxTopk: a warp's staged ranks), num_ranks <= 64 and nodes <= 64 (uint64 masks), and the counters within
+//     48 KiB (num_ranks + num_experts + nodes <= 12288, shared memory).
+//   fallback: a memset of the counters and one kernel with global atomics; every other call, any size.
 // Preconditions (checked by the caller): num_tokens * max(num_topk, num_ranks) fits in int32,
 // num_experts % num_ranks == 0, and num_ranks % num_ranks_per_node == 0 when num_tokens_per_rdma_rank is given.
 void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int num_ranks_per_node,

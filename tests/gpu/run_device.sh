@@ -2,9 +2,10 @@
 # GPU session: build the extension, run tests/gpu with several ranks per GPU under MPS, run the benchmarks.
 # Logs and JSON go to $OUT (default /tmp/ep_out).
 # The build phase uses an extension carried from the workstation when it matches (tests/gpu/prebuild_extension.sh).
-# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests ll bench internode internode_bench timeout
-#   deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench megatron_bench,
-#   each also a phase. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
+# Usage: bash tests/gpu/run_device.sh [PHASE...]   phases: build tests pending ll bench internode internode_bench
+#   timeout deepep_tests (default: all but deepep_tests, in order); bench = ll_bench intranode_bench dbo_bench
+#   megatron_bench, each also a phase. pending reruns the pending kernels' tests (PENDING_TEST_FILES below) with
+#   EP_DISPATCHER_PENDING_KERNELS=1. deepep_tests runs DeepEP v1.2.1's own tests against us (tests/gpu/deepep_tests/);
 #   ll_phases (issue 19) prints the low-latency kernels' phases at 8 ranks x 128 tokens, then with 4x the slot stride;
 #   megatron_flex trains with Megatron's own flex/deepep dispatcher through install_as_deep_ep() vs our plugin;
 #   megatron_rows (issue 21) times rows (a) our plugin, (b) Megatron's flex dispatcher on REAL DeepEP v1.2.1 (built
@@ -20,7 +21,13 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo  # one
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
-PHASES=${*:-build tests ll bench internode internode_bench timeout}
+PHASES=${*:-build tests pending ll bench internode internode_bench timeout}
+# The GPU tests of the kernels that have not yet run on a GPU (csrc/kernels/pending_kernels.h; docs/architecture.md,
+# "Pending kernels"). The C++ reads EP_DISPATCHER_PENDING_KERNELS once per process, so the `pending` phase reruns these
+# files with it set (the `tests` and `ll` phases run them without). One file per line; a new pending kernel appends its.
+PENDING_TEST_FILES=(
+    tests/gpu/test_layout_gpu.py
+)
 # NVSHMEM's host library, for an extension built on the workstation (tests/gpu/prebuild_extension.sh: its rpath points
 # at the workstation's wheel).
 nvlib=$(python3 -c 'import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], "lib"))' 2>/dev/null) &&
@@ -153,6 +160,11 @@ for phase in $PHASES; do
         gpu_tests gpu_tests.log "${EP_TESTS_TIMEOUT:-420}" tests/gpu/test_layout_gpu.py tests/gpu/test_intranode_gpu.py \
             tests/gpu/test_expert_major_gpu.py \
             tests/gpu/test_dbo_gpu.py tests/test_extension_import.py
+        ;;
+    pending)
+        export EP_DISPATCHER_PENDING_KERNELS=1
+        gpu_tests pending_tests.log "${EP_PENDING_TIMEOUT:-420}" "${PENDING_TEST_FILES[@]}"
+        unset EP_DISPATCHER_PENDING_KERNELS
         ;;
     ll)
         gpu_tests ll_tests.log "${EP_LL_TIMEOUT:-420}" tests/gpu/test_low_latency_gpu.py tests/gpu/test_logfmt_gpu.py

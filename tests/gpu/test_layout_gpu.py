@@ -151,6 +151,28 @@ CASES = [
     # Beyond the shared-memory counters (48 KiB, ~12k counters): the global-atomics path of the kernel.
     (4096, 8, 16384, 16, NUM_RANKS_PER_NODE, 0.2),
     (300, 9, 32768, 32, NUM_RANKS_PER_NODE, 0.2),
+    # The owner kernel's scope (taken only with EP_DISPATCHER_PENDING_KERNELS=1: run_device.sh's `pending` phase reruns
+    # this file so): num_tokens * max(num_topk, 1) <= 65536, num_topk <= 16, <= 64 ranks and nodes, counters <= 12288.
+    # Each boundary once inside, once outside (the fallback); without the switch all of them take the fallback.
+    (8192, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # exactly 65536 entries
+    (8193, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # 65544: fallback
+    (65536, 1, 256, 8, NUM_RANKS_PER_NODE, 0.2),
+    (65537, 1, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # fallback
+    (6000, 0, 256, 8, NUM_RANKS_PER_NODE, 0.0),  # top-0: zero counts, all-false rows
+    (2048, 8, 256, 64, NUM_RANKS_PER_NODE, 0.2),  # 64 ranks in 8 nodes: the masks' last bit
+    (1000, 8, 256, 128, NUM_RANKS_PER_NODE, 0.2),  # 128 ranks: fallback
+    (1000, 4, 64, 64, 1, 0.2),  # 64 nodes of one rank
+    (600, 8, 512, 64, 4, 0.2),  # blocks that own 40 ranks: ballot counts past lane 31
+    (1500, 16, 256, 32, NUM_RANKS_PER_NODE, 0.2),  # top-16
+    (1500, 17, 256, 32, NUM_RANKS_PER_NODE, 0.2),  # top-17: fallback
+    (64, 8, 12224, 64, 64, 0.2),  # 12288 counters: the shared-memory limit, one node
+    (64, 8, 12288, 64, 64, 0.2),  # 12352 counters: fallback
+    (0, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # no tokens: every counter still stored (as zero)
+    (5, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # fewer tokens than blocks: empty token slices
+    (33, 8, 256, 16, NUM_RANKS_PER_NODE, 0.2),  # a second, partial warp
+    (1025, 8, 256, 8, NUM_RANKS_PER_NODE, 0.2),  # a second step of the 1024-thread blocks
+    (512, 8, 240, 6, NUM_RANKS_PER_NODE, 0.2),  # rows of 6 flags: 2-byte stores
+    (515, 5, 63, 7, NUM_RANKS_PER_NODE, 0.2),  # rows of 7 flags: byte stores
 ]
 
 
@@ -192,7 +214,30 @@ def test_out_of_range_expert_ids_are_ignored():
 
 
 @pytest.mark.parametrize(
-    "num_tokens,num_topk,num_experts,num_ranks", [(4096, 8, 256, 16), (300, 9, 1024, 32), (7, 3, 8, 2)]
+    "num_tokens,num_topk,num_experts,num_ranks,num_ranks_per_node",
+    [(4096, 8, 256, 8, 8), (8193, 8, 256, 8, 8), (1000, 8, 256, 16, 8), (300, 6, 64, 64, 1), (515, 5, 63, 7, 8)],
+)
+def test_duplicate_and_wild_expert_ids(
+    num_tokens: int, num_topk: int, num_experts: int, num_ranks: int, num_ranks_per_node: int
+):
+    # A repeated expert counts twice for the expert and once for its rank and node. Ids outside [0, num_experts) are
+    # ignored, including those whose low 32 bits are a valid expert (2^32 + 3), whatever the path (these shapes span
+    # both of them under EP_DISPATCHER_PENDING_KERNELS=1).
+    generator = torch.Generator().manual_seed(601)
+    topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=602, device="cpu")
+    repeated = torch.rand(num_tokens, generator=generator) < 0.2
+    topk_idx[repeated, 1] = topk_idx[repeated, 0]
+    wild = torch.tensor([num_experts, num_experts + 7, -5, 2**32 + 3, 2**31, 2**62, -(2**63)])
+    picked = torch.rand(topk_idx.shape, generator=generator) < 0.05
+    topk_idx[picked] = wild[torch.randint(0, len(wild), (int(picked.sum()),), generator=generator)]
+    actual = _C.get_dispatch_layout(topk_idx.cuda(), num_experts, num_ranks, num_ranks_per_node)
+    expected = reference_layout(topk_idx, num_experts, num_ranks, num_ranks_per_node)
+    assert_layout_equal(actual, expected, num_tokens, num_ranks, num_experts)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_topk,num_experts,num_ranks",
+    [(4096, 8, 256, 16), (300, 9, 1024, 32), (7, 3, 8, 2), (4096, 8, 256, 8), (5, 8, 256, 8), (0, 8, 256, 8)],
 )
 def test_outputs_do_not_depend_on_stale_memory(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int):
     # Run 1 leaves its outputs (other counts, other flags) in the allocator; run 2's outputs are likely the same blocks.
