@@ -302,10 +302,13 @@ def main(argv=None) -> int:
     r0 = results[0]
     per_rank = r0["rows"]
     copy_gbps = r0["copy_gbps"]
+    # The ranks inherit the switch (docs/architecture.md, "Pending kernels"); a figure says which kernels gave it.
+    pending_kernels = os.environ.get("EP_DISPATCHER_PENDING_KERNELS") == "1"
     print(
         f"ranks {args.ranks} on {torch.cuda.device_count()} GPU(s) ({torch.cuda.get_device_name(0)}), hidden "
         f"{args.hidden}, top-{args.topk} of {args.experts}; copy bandwidth {copy_gbps:.0f} GB/s; one kernel launch "
         f"{r0['launch_us']:.1f} µs. Times: slowest rank, µs per call."
+        + (" Pending kernels on (EP_DISPATCHER_PENDING_KERNELS=1)." if pending_kernels else "")
     )
     header = (
         f"{'tokens':>6} {'dispatch':>9} {'combine':>8} {'graph d+c':>9} {'graph cold':>10} {'d send':>7} {'d recv':>7} "
@@ -352,7 +355,13 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"args": vars(args), "copy_gbps": copy_gbps, "launch_us": r0["launch_us"], "per_tokens": summary},
+                {
+                    "args": vars(args),
+                    "pending_kernels": pending_kernels,
+                    "copy_gbps": copy_gbps,
+                    "launch_us": r0["launch_us"],
+                    "per_tokens": summary,
+                },
                 f,
                 indent=1,
             )

@@ -27,6 +27,9 @@ PHASES=${*:-build tests pending ll bench internode internode_bench timeout}
 # files with it set (the `tests` and `ll` phases run them without). One file per line; a new pending kernel appends its.
 PENDING_TEST_FILES=(
     tests/gpu/test_layout_gpu.py
+    tests/gpu/test_low_latency_gpu.py
+    tests/gpu/test_logfmt_gpu.py
+    tests/gpu/test_dbo_gpu.py
 )
 # NVSHMEM's host library, for an extension built on the workstation (tests/gpu/prebuild_extension.sh: its rpath points
 # at the workstation's wheel).
@@ -163,7 +166,7 @@ for phase in $PHASES; do
         ;;
     pending)
         export EP_DISPATCHER_PENDING_KERNELS=1
-        gpu_tests pending_tests.log "${EP_PENDING_TIMEOUT:-420}" "${PENDING_TEST_FILES[@]}"
+        gpu_tests pending_tests.log "${EP_PENDING_TIMEOUT:-600}" "${PENDING_TEST_FILES[@]}"
         unset EP_DISPATCHER_PENDING_KERNELS
         ;;
     ll)
