@@ -17,6 +17,9 @@ package is imported (e.g. ``EP_DISPATCHER_RANKS_PER_NODE`` to lay ranks out as v
 - ``EP_DISPATCHER_CHAINED_LAUNCH`` (1): a one-rank group launches its intranode and low-latency kernels chained
   (programmatic dependent launch: each kernel's launch overlaps the tail of the one before,
   ``csrc/kernels/launch.cuh``); ``0`` launches them one after another. Read by the extension, once per process.
+- ``EP_DISPATCHER_PENDING_KERNELS`` (0): ``1`` runs the kernels that are written and CPU-checked but have not yet run
+  on a GPU, in place of their predecessors (docs/architecture.md, "Pending kernels"); any other value, or none, runs
+  GPU-verified kernels only. Read by the extension, once per process (``_C.pending_kernels_enabled()``).
 - ``EP_DISPATCHER_MEGATRON_BACKEND``, ``EP_DISPATCHER_DEEPSPEED_BACKEND`` (auto): the plugins' ``Buffer(backend=)``.
 - ``NVSHMEM_SYMMETRIC_SIZE`` (``num_rdma_bytes`` + 256 MiB): NVSHMEM's heap, sized once per process at its init.
 - ``MASTER_ADDR`` (unset: loopback): the host rank 0 publishes for the DeepEP-compatible MPI stand-in
