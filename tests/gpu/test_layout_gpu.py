@@ -282,6 +282,30 @@ def test_runs_on_the_current_stream():
     assert_layout_equal(actual, reference_layout(topk_idx, 256, 16, NUM_RANKS_PER_NODE), 4096, 16, 256)
 
 
+@pytest.mark.parametrize("num_tokens,num_ranks", [(4096, 8), (8193, 8), (1000, 128)])
+def test_launches_per_call(num_tokens: int, num_ranks: int):
+    """Pins what one call puts on the stream, so that a path silently not taken fails here: within the owner kernel's
+    scope and with EP_DISPATCHER_PENDING_KERNELS=1, that kernel alone (no memset); otherwise the memset and the
+    fallback kernel."""
+    topk_idx = make_topk_idx(num_tokens, 8, 256, num_ranks, seed=451)
+    _C.get_dispatch_layout(topk_idx, 256, num_ranks, NUM_RANKS_PER_NODE)  # warm: lazy initialisation stays out
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _C.get_dispatch_layout(topk_idx, 256, num_ranks, NUM_RANKS_PER_NODE)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted(
+        name for kernel in ("owner_layout_kernel", "get_dispatch_layout_kernel") for name in names if kernel in name
+    )
+    memsets = [name for name in names if "memset" in name.lower()]
+    owner = _C.pending_kernels_enabled() and num_tokens * 8 <= 65536 and num_ranks <= 64
+    if owner:
+        assert len(kernels) == 1 and "owner_layout_kernel" in kernels[0] and not memsets, names
+    else:
+        # The profiler's memset records ("Memset (Device)") are not what this pins: at most the one.
+        assert len(kernels) == 1 and "get_dispatch_layout_kernel" in kernels[0] and len(memsets) <= 1, names
+
+
 def test_cuda_graph_capture_and_replay():
     num_tokens, num_topk, num_experts, num_ranks = 4096, 8, 256, 16
     static_topk_idx = make_topk_idx(num_tokens, num_topk, num_experts, num_ranks, seed=401)

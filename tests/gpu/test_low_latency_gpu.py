@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import sys
 
 import pytest
@@ -228,6 +229,51 @@ FEW_BLOCK_SHAPES = [(256, 640, 3, 3), (128, 7168, None, 8)]
 @pytest.mark.parametrize("world", WORLDS[:1])
 def test_low_latency_matches_reference_with_one_block_budget(world):
     _raise(run(_compare_worker, world, SEEDS, True, FEW_BLOCK_SHAPES, 1))
+
+
+def _kernels_per_call_worker(rank: int, world: int) -> list:
+    """The CUDA kernels each low-latency call launches (names from the profiler), hooked and one-shot."""
+    max_tokens, hidden, per_rank, topk = SHAPES[1]
+    cuda, _ = _buffers(world, shapes=[SHAPES[1]])
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = _case(5, world, max_tokens, hidden, per_rank, topk)
+    x, idx, w = (t.to(device) for t in rc.rank_inputs(case, rank))
+    E = case.num_experts
+    launched = {}
+    for hooked in (True, False, True, False):  # twice each: the second pair runs warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _, _, handle, _, hook = cuda.low_latency_dispatch(x, idx, max_tokens, E, return_recv_hook=hooked)
+            if hooked:
+                hook()
+            y = cuda.get_next_low_latency_combine_buffer(handle)
+            y.zero_()  # a kernel of its own, filtered out below
+            _, _, hook = cuda.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=hooked)
+            if hooked:
+                hook()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # e.g. "void ep::low_latency::(anonymous namespace)::send_tokens_kernel<true, false>(ep::low_latency::Layout…"
+        launched[hooked] = sorted(re.search(r"(\w+_kernel)\b", n).group(1) for n in names if "low_latency::" in n)
+    cuda.destroy()
+    return [launched]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_low_latency_kernels_per_call(world):
+    """Pins which kernels a call launches, so that a path silently not taken fails here rather than only in the
+    figures: with EP_DISPATCHER_PENDING_KERNELS=1 a one-shot call is one kernel per phase pair at several ranks, and one
+    rank alone runs one kernel per dispatch and per zero-copy combine, hooked or not (docs/low_latency.md)."""
+    pending = _C.pending_kernels_enabled()
+    split = ["receive_tokens_kernel", "reduce_outputs_kernel", "send_outputs_kernel", "send_tokens_kernel"]
+    if world == 1 and pending:
+        expected = {True: ["reduce_outputs_kernel", "send_tokens_kernel"]}
+        expected[False] = expected[True]
+    elif pending:
+        expected = {True: split, False: ["send_and_receive_kernel", "send_and_reduce_kernel"]}
+    else:
+        expected = {True: split, False: split}
+    for launched in (r[0] for r in run(_kernels_per_call_worker, world)):
+        assert launched == expected, f"pending kernels {pending}: launched {launched}, expected {expected}"
 
 
 GRAPH_SHAPE = (64, 2048, 4, 4)
