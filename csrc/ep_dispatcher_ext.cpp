@@ -97,14 +97,16 @@ DispatchLayout get_dispatch_layout(const at::Tensor& topk_idx, int64_t num_exper
     const int64_t num_counters = num_ranks + num_experts + num_nodes;
     // is_token_in_rank starts 16-byte aligned: the dispatch's send-position scan reads it in 16-byte vectors only then
     // (counters of 1 rank + 256 experts end at byte 1028; the byte path cost 27 us at EP = 1, 65536 tokens).
+    // Each view is a tensor op of about a microsecond of host time, so the storage is int32 (the counters are narrows of
+    // it) and the flags one dtype view and one as_strided of it, instead of narrow + view chains.
     const int64_t flags_offset = (num_counters * static_cast<int64_t>(sizeof(int)) + 15) / 16 * 16;
-    at::Tensor storage = at::empty({flags_offset + num_tokens * num_ranks}, topk_idx.options().dtype(at::kByte));
-    at::Tensor counters = storage.narrow(0, 0, num_counters * static_cast<int64_t>(sizeof(int))).view(at::kInt);
-    at::Tensor num_tokens_per_rank = counters.narrow(0, 0, num_ranks);
-    at::Tensor num_tokens_per_expert = counters.narrow(0, num_ranks, num_experts);
+    const int64_t storage_words = (flags_offset + num_tokens * num_ranks + 3) / 4;
+    at::Tensor storage = at::empty({storage_words}, topk_idx.options().dtype(at::kInt));
+    at::Tensor num_tokens_per_rank = storage.narrow(0, 0, num_ranks);
+    at::Tensor num_tokens_per_expert = storage.narrow(0, num_ranks, num_experts);
     std::optional<at::Tensor> num_tokens_per_rdma_rank;
-    if (spans_nodes) num_tokens_per_rdma_rank = counters.narrow(0, num_ranks + num_experts, num_nodes);
-    at::Tensor is_token_in_rank = storage.narrow(0, flags_offset, num_tokens * num_ranks).view(at::kBool).view({num_tokens, num_ranks});
+    if (spans_nodes) num_tokens_per_rdma_rank = storage.narrow(0, num_ranks + num_experts, num_nodes);
+    at::Tensor is_token_in_rank = storage.view(at::kBool).as_strided({num_tokens, num_ranks}, {num_ranks, 1}, flags_offset);
 
     layout::get_dispatch_layout(topk_idx.data_ptr<int64_t>(), static_cast<int>(num_tokens), static_cast<int>(num_topk),
                                 static_cast<int>(num_experts), static_cast<int>(num_ranks), static_cast<int>(num_ranks_per_node),
