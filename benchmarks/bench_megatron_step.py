@@ -16,8 +16,8 @@ ranks of one row, writes raw JSON, and the parent merges the rows, so the real `
 
     python benchmarks/bench_megatron_step.py --device cpu --ranks 2 --out /tmp/bench_megatron.json
     python benchmarks/bench_megatron_step.py --device cuda --ranks 4 --rows ours,flex_deepep,flex_switch \\
-        --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 --topk 8 --seq 1024 --tokens 4096 \\
-        --dtype bf16 --out bench_megatron_4.json
+        --layers 1 --hidden 4096 --heads 8 --kv-channels 128 --moe-ffn 1024 --experts 64 --topk 8 --seq 1024 \\
+        --tokens 4096 --dtype bf16 --out bench_megatron_4.json
 
 A step is forward, backward, gradient all-reduce and Adam, timed on the wall clock with the device synchronised at
 both ends; the table shows the median over --steps steps after --warmup, taking the slowest rank of each step.
@@ -564,7 +564,8 @@ def _summarise(args, rows: dict) -> dict:
 
 def _print(args, s: dict) -> None:
     print(
-        f"bench_megatron_step: GPT-MoE training step, {args.layers} layers, hidden {args.hidden}, moe ffn "
+        f"bench_megatron_step: GPT-MoE training step, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+        f"of {args.kv_channels or args.hidden // args.heads} channels, moe ffn "
         f"{args.moe_ffn or args.hidden}, {args.experts} experts top-{args.topk}, EP={args.ranks}, {args.tokens} "
         f"tokens/rank (seq {args.seq} x {args.batch}), {args.dtype}; {args.ranks} ranks on "
         f"{', '.join(s.get('devices', ['?']))}, {s.get('process_group', '?')} process group; each row in its own "

@@ -64,6 +64,8 @@ def build_model(args, dispatcher_type: str, ep_rank: int, device: torch.device):
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
+        # None: Megatron's default, hidden / heads.
+        **({"kv_channels": args.kv_channels} if getattr(args, "kv_channels", None) else {}),
         ffn_hidden_size=2 * args.hidden,
         num_moe_experts=args.experts,
         moe_router_topk=args.topk,
@@ -256,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="attention width per head (default: hidden / heads); smaller makes the attention, and the dense "
+        "gradients every data-parallel step all-reduces, smaller next to the experts",
+    )
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)

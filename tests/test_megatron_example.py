@@ -111,3 +111,15 @@ def test_grouped_experts_match_a_loop_over_experts():
     for got, want in zip((x.grad, probs.grad, experts.fc1_weight.grad, experts.fc2_weight.grad), leaves):
         assert torch.equal(got, want.grad)
     assert experts.fc1_weight.allreduce is False and experts.fc2_weight.allreduce is False
+
+
+@pytest.mark.skipif(MEGATRON_SKIP_REASON is not None, reason=MEGATRON_SKIP_REASON or "")
+def test_example_kv_channels_narrow_the_attention():
+    """--kv-channels (the step benchmark's MoE-dominated shape narrows the attention with it): both dispatchers still
+    train alike, and the losses differ from the default width's (the option reached Megatron's config)."""
+    _, default = _run_example()
+    stdout, narrow = _run_example("--kv-channels", "4")  # SMALL_RUN's default: hidden 32 / 4 heads = 8
+    assert "OK" in stdout
+    for _, deepep, allgather, _ in narrow:
+        assert abs(float(deepep) - float(allgather)) <= 1e-5
+    assert any(abs(float(d[1]) - float(n[1])) > 1e-4 for d, n in zip(default, narrow))

@@ -126,7 +126,8 @@ megatron_rows() {
     for r in ${EP_MEGATRON_RANKS:-2 4}; do
         bench "${EP_MEGATRON_TIMEOUT:-420}" benchmarks/bench_megatron_step.py --device cuda --ranks "$r" \
             --rows "${EP_MEGATRON_ROWS:-ours,flex_deepep,flex_switch,ours_unfused}" \
-            --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads 32 --moe-ffn 1024 --experts 64 \
+            --deepep-path "$PWD/.deepep/DeepEP" --layers 1 --hidden 4096 --heads "${EP_MEGATRON_HEADS:-8}" \
+            --kv-channels "${EP_MEGATRON_KV_CHANNELS:-128}" --moe-ffn 1024 --experts 64 \
             --topk 8 --seq 1024 --tokens 4096 --dtype bf16 --expert-impl "${EP_MEGATRON_EXPERT_IMPL:-grouped}" \
             --steps ${EP_MEGATRON_STEPS:-8} --warmup 8 --isolated-steps 3 \
             --row-timeout 120 --profile-dir "$OUT/megatron_profile_$r" --out "$OUT/bench_megatron_rows_$r.json"
