@@ -131,13 +131,7 @@ class LowLatencyBuffer : public std::enable_shared_from_this<LowLatencyBuffer> {
                                                                    outputs, stream())) {
                 receive = LowLatencyReceive([] {});  // received in the same kernel
             } else {
-                low_latency::DirectReceive direct{recv_x.data_ptr(), scales_out, src_info.data_ptr<int>(), use_ue8m0, nullptr, nullptr,
-                                                  nullptr};
-                if (low_latency::one_rank_fused(L)) {  // the send kernel writes the receive's outputs too
-                    direct.recv_count = outputs.recv_count;
-                    direct.layout_range = outputs.layout_range;
-                    direct.cumulative_stats = outputs.cumulative_stats;
-                }
+                const low_latency::DirectReceive direct{outputs, use_ue8m0, low_latency::one_rank_fused(L)};
                 low_latency::dispatch_send(L, h, x.data_ptr(), topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, use_fp8, round_scale,
                                            all_direct, send_slot.data_ptr<int>(), direct, stream());
                 // The receive phase, bound now: the hook's call converts no arguments. It holds the buffer (shared_ptr) and

@@ -43,15 +43,19 @@ constexpr int kMaxBlocksPerSm = 4;
 // Width of the vector stores that zero is_token_in_rank rows.
 constexpr int kZeroStoreBytes = static_cast<int>(sizeof(int4));
 
-struct LayoutParams {
+// The call's routing, as both kernels see it.
+struct Routing {
     const int64_t* __restrict__ topk_idx;  // [num_tokens, num_topk]
     int num_tokens;
     int num_topk;
     int num_experts;
-    int num_local_experts;
     int num_ranks;
     int num_ranks_per_node;
     int num_nodes;  // 0: no per-node output
+};
+
+struct LayoutParams : Routing {
+    int num_local_experts;
     int tokens_per_block;
     int* num_tokens_per_rank;    // [num_ranks], zero-filled by the launcher
     int* num_tokens_per_node;    // [num_nodes] or nullptr
@@ -178,14 +182,7 @@ constexpr int kRankMagicShift = 31;
 // Staged ranks a thread reads at once when num_topk is a multiple of it (one 32-bit shared load).
 constexpr int kOwnerRanksPerWord = static_cast<int>(sizeof(uint32_t));
 
-struct OwnerLayoutParams {
-    const int64_t* __restrict__ topk_idx;  // [num_tokens, num_topk]
-    int num_tokens;
-    int num_topk;
-    int num_experts;
-    int num_ranks;
-    int num_ranks_per_node;
-    int num_nodes;            // 0: no per-node output
+struct OwnerLayoutParams : Routing {
     uint32_t rank_magic;      // expert / num_local_experts == (expert * rank_magic) >> kRankMagicShift
     uint64_t node_rank_bits;  // the low num_ranks_per_node bits (a node's ranks in the rank mask)
     int row_store_bytes;      // 1, 2, 4 or 8: divides num_ranks and the alignment of is_token_in_rank
@@ -336,8 +333,8 @@ bool owner_kernel_covers(int num_tokens, int num_topk, int num_ranks, int num_no
            num_nodes <= kOwnerMaxRanks && num_counters * static_cast<int64_t>(sizeof(int)) <= kMaxSharedCounterBytes;
 }
 
-void launch_owner_kernel(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int num_ranks_per_node,
-                         int num_nodes, int* counters, bool* is_token_in_rank, cudaStream_t stream) {
+void launch_owner_kernel(const Routing& routing, int* counters, bool* is_token_in_rank, cudaStream_t stream) {
+    const int num_ranks = routing.num_ranks, num_ranks_per_node = routing.num_ranks_per_node;
     // Row t starts at byte t * num_ranks, so a store width that divides num_ranks and the base alignment keeps every
     // store aligned (the C++ entry hands a 16-byte aligned base).
     const auto flags_address = reinterpret_cast<uintptr_t>(is_token_in_rank);
@@ -345,14 +342,8 @@ void launch_owner_kernel(const int64_t* topk_idx, int num_tokens, int num_topk, 
     while (row_store_bytes > 1 && (num_ranks % row_store_bytes != 0 || flags_address % row_store_bytes != 0)) row_store_bytes /= 2;
 
     OwnerLayoutParams params{};
-    params.topk_idx = topk_idx;
-    params.num_tokens = num_tokens;
-    params.num_topk = num_topk;
-    params.num_experts = num_experts;
-    params.num_ranks = num_ranks;
-    params.num_ranks_per_node = num_ranks_per_node;
-    params.num_nodes = num_nodes;
-    params.rank_magic = static_cast<uint32_t>(make_magic(num_experts / num_ranks, kRankMagicShift));
+    static_cast<Routing&>(params) = routing;
+    params.rank_magic = static_cast<uint32_t>(make_magic(routing.num_experts / num_ranks, kRankMagicShift));
     // A caller may ask for the per-node output of one node of 64 ranks (num_ranks_per_node == num_ranks).
     params.node_rank_bits = num_ranks_per_node >= kOwnerMaxRanks ? ~uint64_t{0} : (uint64_t{1} << num_ranks_per_node) - 1;
     params.row_store_bytes = row_store_bytes;
@@ -384,9 +375,9 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
                        (num_nodes == 0 || num_tokens_per_rdma_rank == num_tokens_per_expert + num_experts),
                    "the counters must be one array: [num_tokens_per_rank | num_tokens_per_expert | num_tokens_per_rdma_rank]");
     const int64_t num_counters = int64_t{num_ranks} + num_experts + num_nodes;
+    const Routing routing{topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, num_nodes};
     if (pending_kernels_enabled() && owner_kernel_covers(num_tokens, num_topk, num_ranks, num_nodes, num_counters)) {
-        launch_owner_kernel(topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_ranks_per_node, num_nodes, num_tokens_per_rank,
-                            is_token_in_rank, stream);
+        launch_owner_kernel(routing, num_tokens_per_rank, is_token_in_rank, stream);
         return;
     }
 
@@ -401,14 +392,8 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
     const int num_blocks = ceil_div(num_tokens, tokens_per_block);
 
     LayoutParams params{};
-    params.topk_idx = topk_idx;
-    params.num_tokens = num_tokens;
-    params.num_topk = num_topk;
-    params.num_experts = num_experts;
+    static_cast<Routing&>(params) = routing;
     params.num_local_experts = num_experts / num_ranks;
-    params.num_ranks = num_ranks;
-    params.num_ranks_per_node = num_ranks_per_node;
-    params.num_nodes = num_nodes;
     params.tokens_per_block = tokens_per_block;
     params.num_tokens_per_rank = num_tokens_per_rank;
     params.num_tokens_per_node = num_tokens_per_rdma_rank;

@@ -130,6 +130,14 @@ __device__ __forceinline__ void trace_phase(const Half& h, TraceKernel kernel, T
         h.phase_trace[(int64_t(kernel) * kTraceBlocks + blockIdx.x) * kTracePoints + point] = sync::global_timer_ns();
 }
 
+// The epoch of the call now on this half (the half's calls so far + 1), read by one thread and shared with the block.
+__device__ __forceinline__ unsigned long long call_epoch(const Half& h) {
+    __shared__ unsigned long long epoch;
+    if (threadIdx.x == 0) epoch = h.state->epoch[h.half] + 1;
+    __syncthreads();
+    return epoch;
+}
+
 // Run by a whole block before it writes into peers' halves: every peer has read this half's previous use (epoch - 1).
 // Every sender writes (at least a signal) to every peer, so every block waits for every ack; after the first block
 // the waits find them set.
@@ -144,8 +152,9 @@ __device__ __forceinline__ void wait_all_acks(const Layout& L, const Half& h, un
 // one block needs neither fence nor counter: the barrier puts every thread's writes before the signalling threads'
 // release stores (signal_peer; put rows are complete, quiet_puts), which are cumulative. That is the zero-copy combine
 // send's case: its arrival took 3.6 us (phase trace, 8 ranks, H100; 0.3 us without, RESULTS' twelfth session).
-__device__ __forceinline__ bool arrive_last(const Layout& L, unsigned int* counter) {
-    if (gridDim.x == 1) {
+// `alone`: the same for a block that is the only one taking part in a larger grid (send_and_reduce_kernel's block 0).
+__device__ __forceinline__ bool arrive_last(const Layout& L, unsigned int* counter, bool alone = false) {
+    if (alone || gridDim.x == 1) {
         __syncthreads();
         return true;
     }
@@ -430,19 +439,19 @@ __device__ __forceinline__ void send_step_direct(const Layout& L, const DirectRe
         const int expert = __shfl_sync(kFullWarpMask, lane_expert, k);
         if (slot < 0) continue;  // warp-uniform
         const int64_t row = static_cast<int64_t>(expert) * T + slot;  // one rank: every expert is local
-        uint8_t* dst = static_cast<uint8_t*>(d.recv_x) + row * row_bytes + int64_t(channel) * kBytesPerChannel;
+        uint8_t* dst = static_cast<uint8_t*>(d.outputs.recv_x) + row * row_bytes + int64_t(channel) * kBytesPerChannel;
         if (active)
 #pragma unroll
             for (int v = 0; v < kVectors; ++v) reinterpret_cast<int4*>(dst)[v] = data[v];
         if constexpr (kUseFP8) {
             if (d.use_ue8m0) {
                 if (full_word && lane == 0)
-                    static_cast<uint32_t*>(d.recv_scales)[(static_cast<int64_t>(expert) * (groups / 4) + step) * T + slot] = word;
+                    static_cast<uint32_t*>(d.outputs.recv_scales)[(static_cast<int64_t>(expert) * (groups / 4) + step) * T + slot] = word;
             } else if (active && lane % kLanesPerGroup == 0) {
-                static_cast<float*>(d.recv_scales)[(static_cast<int64_t>(expert) * groups + channel / kFp8GroupSize) * T + slot] = scale;
+                static_cast<float*>(d.outputs.recv_scales)[(static_cast<int64_t>(expert) * groups + channel / kFp8GroupSize) * T + slot] = scale;
             }
         }
-        if (step == 0 && lane == 0) d.src_info[row] = t;
+        if (step == 0 && lane == 0) d.outputs.src_info[row] = t;
     }
 }
 
@@ -517,18 +526,18 @@ __device__ __forceinline__ void send_step(const Layout& L, const Half& h, int t,
 // one_rank_fused: the receive's outputs from the plan's totals (count[e], every block's). Block 0 writes the counts,
 // ranges and stats; every block marks its share of the unused slots (slot >= count: the send stores the used ones'
 // sources, so the two never meet).
-__device__ __forceinline__ void publish_lone_receive(const Layout& L, const DirectReceive& d, const int* count) {
+__device__ __forceinline__ void publish_lone_receive(const Layout& L, const ReceiveOutputs& o, const int* count) {
     const int E = L.num_experts, T = L.max_tokens;
     if (blockIdx.x == 0) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            d.recv_count[e] = count[e];
-            d.layout_range[e] = count[e];  // (first slot 0) << 32 | count
-            if (d.cumulative_stats != nullptr) d.cumulative_stats[e] += count[e];
+            o.recv_count[e] = count[e];
+            o.layout_range[e] = count[e];  // (first slot 0) << 32 | count
+            if (o.cumulative_stats != nullptr) o.cumulative_stats[e] += count[e];
         }
     }
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < static_cast<int64_t>(E) * T; i += num_threads)
-        if (i % T >= count[i / T]) d.src_info[i] = -1;
+        if (i % T >= count[i / T]) o.src_info[i] = -1;
 }
 
 // Token-parallel send: each block takes a contiguous range of (token, step) items, so its tokens are few and adjacent,
@@ -558,8 +567,8 @@ __device__ __forceinline__ unsigned long long send_tokens(const Layout& L, const
     const OwnEntries own = own_entries_at(plan_shared + 3 * L.num_experts, own_entries);
     // The plan needs nothing from the peers: it runs before the wait for their acks.
     plan_block_sends(L, h, topk_idx, num_tokens, num_topk, token_begin, token_end, send_slot, count, count_after, window_bits, own);
-    const bool fused_receive = L.num_ranks == 1 && direct.recv_count != nullptr;  // one_rank_fused
-    if (fused_receive) publish_lone_receive(L, direct, count);
+    const bool fused_receive = L.num_ranks == 1 && direct.publish;  // one_rank_fused
+    if (fused_receive) publish_lone_receive(L, direct.outputs, count);
     trace_phase(h, kTraceSend, kTracePrepared);
     const unsigned long long epoch = h.state->epoch[h.half] + 1;
     wait_all_acks(L, h, epoch, sync::kStageLowLatencyDispatchSend);
@@ -708,10 +717,7 @@ __global__ void __launch_bounds__(kThreads) receive_tokens_kernel(Layout L, Half
     wait_for_previous_kernel();
     let_next_kernel_start();
     extern __shared__ int prefix[];
-    __shared__ unsigned long long epoch_shared;
-    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
-    __syncthreads();
-    receive_messages<kUseFP8, kUE8M0>(L, h, epoch_shared, prefix, o);
+    receive_messages<kUseFP8, kUE8M0>(L, h, call_epoch(h), prefix, o);
 }
 
 // One dispatch in one kernel (send_and_receive_kernel): the send, then, in every block, the receive. Every block of
@@ -789,8 +795,7 @@ __device__ __forceinline__ void send_outputs(const Layout& L, const Half& h, uns
     if (issued_puts) nvshmem_quiet();  // every lane completes its puts before the block arrives
 #endif
     trace_phase(h, kTraceCombineSend, kTraceMoved);
-    if (alone) __syncthreads();  // as arrive_last for a grid of one block
-    const bool last = alone || arrive_last(L, &h.state->send_arrived[h.half]);
+    const bool last = arrive_last(L, &h.state->send_arrived[h.half], alone);
     trace_phase(h, kTraceCombineSend, kTraceArrived);
     if (!last) return;
     for (int pair = threadIdx.x; pair < E_local * R; pair += blockDim.x) {
@@ -807,7 +812,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     wait_for_previous_kernel();
     let_next_kernel_start();
     extern __shared__ int prefix[];
-    send_outputs(L, h, h.state->epoch[h.half] + 1, x, x_is_staged, all_peers_direct, layout_range, gridDim.x == 1, prefix);
+    send_outputs(L, h, h.state->epoch[h.half] + 1, x, x_is_staged, all_peers_direct, layout_range, false, prefix);
 }
 
 // Waits for every expert's flag, then out[t] = sum over k (ascending) of w[t,k] * y[t,k], fp32, BF16 out.
@@ -925,10 +930,7 @@ __global__ void __launch_bounds__(kThreads) reduce_outputs_kernel(Layout L, Half
     wait_for_previous_kernel();
     let_next_kernel_start();
     extern __shared__ int first_slot[];
-    __shared__ unsigned long long epoch_shared;
-    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
-    __syncthreads();
-    reduce_outputs(L, h, epoch_shared, a, rows_in_place, first_slot);
+    reduce_outputs(L, h, call_epoch(h), a, rows_in_place, first_slot);
 }
 
 // One combine in one kernel (send_and_reduce_kernel): the send, then, in every block, the reduce (residency as in
@@ -940,14 +942,11 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallPerFull)
     wait_for_previous_kernel();
     let_next_kernel_start();
     extern __shared__ int combine_shared[];  // the send's prefixes, then the reduce's first slots
-    __shared__ unsigned long long epoch_shared;
-    if (threadIdx.x == 0) epoch_shared = h.state->epoch[h.half] + 1;
-    __syncthreads();
+    const unsigned long long epoch = call_epoch(h);
     const bool rows_move = !(x_is_staged && all_peers_direct);
-    if (rows_move || blockIdx.x == 0)
-        send_outputs(L, h, epoch_shared, x, x_is_staged, all_peers_direct, layout_range, !rows_move, combine_shared);
+    if (rows_move || blockIdx.x == 0) send_outputs(L, h, epoch, x, x_is_staged, all_peers_direct, layout_range, !rows_move, combine_shared);
     __syncthreads();
-    reduce_outputs(L, h, epoch_shared, a, false, combine_shared);
+    reduce_outputs(L, h, epoch, a, false, combine_shared);
 }
 
 // ------------------------------------------------------------------ grids
@@ -1028,7 +1027,8 @@ void check_send_items(const Layout& L, int num_tokens) {
 
 void dispatch_send(const Layout& L, const Half& h, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk, bool use_fp8,
                    bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct, cudaStream_t stream) {
-    const bool outputs_given = direct.recv_x != nullptr && direct.src_info != nullptr && (!use_fp8 || direct.recv_scales != nullptr);
+    const ReceiveOutputs& o = direct.outputs;
+    const bool outputs_given = o.recv_x != nullptr && o.src_info != nullptr && (!use_fp8 || o.recv_scales != nullptr);
     EP_HOST_ASSERT(L.num_ranks != 1 || outputs_given, "low-latency dispatch: one rank alone needs its receive outputs at the send");
     check_send_items(L, num_tokens);
     const int blocks = send_grid(L, h.max_blocks, num_tokens);
@@ -1064,7 +1064,7 @@ bool dispatch_in_one_kernel(const Layout& L, const Half& h, const void* x, const
                         : !use_ue8m0 ? (all_peers_direct ? send_and_receive_kernel<true, false, false> : send_and_receive_kernel<true, true, false>)
                                      : (all_peers_direct ? send_and_receive_kernel<true, false, true> : send_and_receive_kernel<true, true, true>);
     allow_shared_bytes(kernel, shared);
-    const low_latency::DirectReceive unused{};  // more than one rank: the receive part places the rows
+    const DirectReceive unused{};  // more than one rank: the receive part places the rows
     launch_kernel(false, kernel, blocks, kSmallThreads, shared, stream, L, h, static_cast<const __nv_bfloat16*>(x), topk_idx, send_slot,
                   num_tokens, num_topk, round_scale, unused, outputs);
     return true;

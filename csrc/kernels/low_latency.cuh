@@ -117,18 +117,27 @@ enum TracePoint : int {
 constexpr int kTraceBlocks = 1024;
 constexpr int64_t kTraceInts = int64_t(kTraceKernels) * kTraceBlocks * kTracePoints;
 
+// The dispatch's receive outputs. `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the
+// receive spun waiting for each source rank's signals, one add per waited signal: dispatch per (local expert, source
+// rank) count, combine per expert flag (added to the rank that holds the expert). DeepEP's
+// dispatch/combine_wait_recv_cost_stats. `cumulative_stats` (optional, int32 [E_local]) accumulates the counts.
+struct ReceiveOutputs {
+    void* recv_x;
+    void* recv_scales;  // FP8: fp32 [E_local, groups, R * T], or with UE8M0 int32 [E_local, groups / 4, R * T]
+    int* src_info;      // [E_local, R * T]
+    int64_t* layout_range;  // [E_local, R]
+    int* recv_count;        // [E_local]
+    int* cumulative_stats;
+    int64_t* wait_stats;
+};
+
 // The dispatch's outputs, which one rank alone (num_ranks == 1) fills from its send kernel: every slot's packed place
 // is known there (a lone source's range at each expert starts at 0), so the rows land in recv_x straight from the
-// cast, and the receive kernel moves no row. Null pointers elsewhere. Shapes as dispatch_recv's arguments.
+// cast, and the receive kernel moves no row. Ignored with more than one rank.
 struct DirectReceive {
-    void* recv_x;
-    void* recv_scales;  // FP8: fp32 [E_local, groups, T], or with UE8M0 int32 [E_local, groups / 4, T]
-    int* src_info;      // [E_local, T]
+    ReceiveOutputs outputs;  // recv_x, recv_scales and src_info; the rest only with `publish`
     bool use_ue8m0;
-    // one_rank_fused: the rest of the receive's outputs, which the send kernel then writes too (else unused).
-    int* recv_count;        // [E_local]
-    int64_t* layout_range;  // [E_local, 1]
-    int* cumulative_stats;  // [E_local], accumulated; may be null
+    bool publish;  // one_rank_fused: the send kernel also writes the counts, ranges and stats, and ends the call
 };
 
 // One rank alone with the pending kernels (EP_DISPATCHER_PENDING_KERNELS=1, kernels/pending_kernels.h): one kernel per
@@ -144,20 +153,6 @@ bool one_rank_fused(const Layout& layout);
 void dispatch_send(const Layout& layout, const Half& half, const void* x, const int64_t* topk_idx, int num_tokens, int num_topk,
                    bool use_fp8, bool round_scale, bool all_peers_direct, int* send_slot, const DirectReceive& direct,
                    cudaStream_t stream);
-
-// The dispatch's receive outputs. `wait_stats` (optional, int64 [R], accumulated): the SM clock cycles (clock64) the
-// receive spun waiting for each source rank's signals, one add per waited signal: dispatch per (local expert, source
-// rank) count, combine per expert flag (added to the rank that holds the expert). DeepEP's
-// dispatch/combine_wait_recv_cost_stats. `cumulative_stats` (optional, int32 [E_local]) accumulates the counts.
-struct ReceiveOutputs {
-    void* recv_x;
-    void* recv_scales;
-    int* src_info;
-    int64_t* layout_range;
-    int* recv_count;
-    int* cumulative_stats;
-    int64_t* wait_stats;
-};
 
 void dispatch_recv(const Layout& layout, const Half& half, bool use_fp8, bool use_ue8m0, const ReceiveOutputs& outputs, cudaStream_t stream);
 
