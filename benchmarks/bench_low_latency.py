@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ep_dispatcher import Buffer  # noqa: E402
+from ep_dispatcher import Buffer, settings  # noqa: E402
 from ep_dispatcher.launch import spawn, use_nvshmem_on_one_machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     per_rank = r0["rows"]
     copy_gbps = r0["copy_gbps"]
     # The ranks inherit the switch (docs/architecture.md, "Pending kernels"); a figure says which kernels gave it.
-    pending_kernels = os.environ.get("EP_DISPATCHER_PENDING_KERNELS") == "1"
+    pending_kernels = settings.pending_kernels()
     print(
         f"ranks {args.ranks} on {torch.cuda.device_count()} GPU(s) ({torch.cuda.get_device_name(0)}), hidden "
         f"{args.hidden}, top-{args.topk} of {args.experts}; copy bandwidth {copy_gbps:.0f} GB/s; one kernel launch "

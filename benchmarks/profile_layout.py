@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ep_dispatcher import settings  # noqa: E402
 from ep_dispatcher.launch import spawn  # noqa: E402
 
 WARMUP_CALLS = 5
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         parser.error(f"--experts ({args.experts}) must be a multiple of --ranks ({args.ranks})")
     per_rank = spawn(_rank_main, args.ranks, args, backend="gloo")
     # The ranks inherit the switch; the C++ reads it (docs/architecture.md, "Pending kernels").
-    pending_kernels = os.environ.get("EP_DISPATCHER_PENDING_KERNELS") == "1"
+    pending_kernels = settings.pending_kernels()
     print(
         f"profile_layout: {args.impl}{' (pending kernels)' if pending_kernels else ''}, {args.ranks} ranks on "
         f"{torch.cuda.get_device_name()}, {args.tokens} tokens top-{args.topk} of {args.experts}, {args.calls} "

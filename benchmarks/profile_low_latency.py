@@ -40,6 +40,10 @@ TRACE_KERNELS = ("send", "receive", "combine send", "reduce")
 TRACE_PHASES = ("plan or acks", "peer wait", "rows", "arrival", "signals")  # between consecutive TracePoints
 
 
+# The kernel each dispatch starts with: its send, or with EP_DISPATCHER_PENDING_KERNELS=1 and no hook, the whole call.
+DISPATCH_FIRST_KERNELS = ("send_tokens_kernel", "send_and_receive_kernel")
+
+
 def short_kernel_name(name: str) -> str:
     """A kernel's own name (``send_tokens_kernel``): kernels in an anonymous namespace carry a long mangled prefix,
     the same for every kernel of a file, so a cut-off name does not tell them apart. In a mangled name an identifier
@@ -114,7 +118,7 @@ def _rank_main(rank: int, world: int, args) -> List[Dict]:
         # The profiled replays' kernels only, from the send of their first pair on: the profiler also reports kernels
         # from before its window (8 ranks: up to 0.8 s earlier).
         pairs = PAIRS_PER_GRAPH * PROFILED_REPLAYS
-        send_starts = [e.time_range.start for e in kernels if short_kernel_name(e.name) == "send_tokens_kernel"]
+        send_starts = [e.time_range.start for e in kernels if short_kernel_name(e.name) in DISPATCH_FIRST_KERNELS]
         if len(send_starts) > pairs:
             kernels = [e for e in kernels if e.time_range.start >= send_starts[-pairs]]
         t0 = kernels[0].time_range.start if kernels else 0

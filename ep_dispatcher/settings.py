@@ -60,6 +60,11 @@ def low_latency_max_blocks() -> Optional[int]:
     return None if value is None else max(1, int(value))
 
 
+def pending_kernels() -> bool:
+    """EP_DISPATCHER_PENDING_KERNELS as the extension reads it (exactly "1"); for reports, since the C++ decides."""
+    return os.environ.get("EP_DISPATCHER_PENDING_KERNELS") == "1"
+
+
 def plugin_backend(variable: str) -> str:
     """The backend a plugin's buffers use: env ``variable`` (``EP_DISPATCHER_<PLUGIN>_BACKEND``), else ``"auto"``."""
     return os.environ.get(variable, "auto")
